@@ -1,0 +1,1 @@
+"""Triton kernels. Import lazily: Triton is optional on the CPU reference backend."""

@@ -1,0 +1,112 @@
+"""The MAGI-2 head-routed MoE layer as an ``nn.Module`` with the released checkpoint names."""
+from __future__ import annotations
+
+from typing import Literal, Mapping
+
+import torch
+from torch import nn
+
+from .config import MoEConfig
+from .dispatch import choose_implementation
+from .registry import Implementation, get_implementation
+from .routing import build_route_table, route
+from .validation import check_finite, check_tensor
+from .weights import ExpertWeights
+
+BiasSource = Literal["expert_bias_ema", "expert_bias", "none"]
+BIAS_SOURCES = ("expert_bias_ema", "expert_bias", "none")
+
+
+class Router(nn.Module):
+    """Holds the auxiliary-free selection biases (``router.expert_bias[_ema]`` in checkpoints)."""
+
+    def __init__(self, num_banks: int, device=None):
+        super().__init__()
+        self.register_buffer("expert_bias", torch.zeros(num_banks, dtype=torch.float32, device=device))
+        self.register_buffer("expert_bias_ema", torch.zeros(num_banks, dtype=torch.float32, device=device))
+
+
+class MagiMoE(nn.Module):
+    """``y = MoE(x)`` for ``x`` ``[S, H*Dh]``.
+
+    Parameters (SPEC section 3): ``gate [H*E, Dh]`` fp32, ``W_gate``/``W_up`` ``[H*E, Dh, I]``,
+    ``W_down [H*E, I, Dh]`` in ``config.dtype``; buffers ``router.expert_bias`` and
+    ``router.expert_bias_ema`` ``[H*E]`` fp32. ``bias_source`` picks the selection bias:
+    ``expert_bias_ema`` (vLLM-Omni's default), ``expert_bias`` (SandAI's original) or ``none``.
+    ``impl`` forces an implementation by name; by default :mod:`magi_moe.dispatch` chooses.
+    """
+
+    def __init__(self, config: MoEConfig, *, bias_source: BiasSource = "expert_bias_ema",
+                 deterministic: bool = False, impl: str | Implementation | None = None,
+                 device=None):
+        super().__init__()
+        if bias_source not in BIAS_SOURCES:
+            raise ValueError(f"bias_source must be one of {BIAS_SOURCES}, got {bias_source!r}")
+        self.config = config
+        self.bias_source = bias_source
+        self.deterministic = deterministic
+        self.impl = get_implementation(impl) if isinstance(impl, str) else impl
+        HE, Dh, I = config.num_banks, config.head_dim, config.intermediate_size
+        empty = lambda *shape, dtype: nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))  # noqa: E731
+        self.gate = empty(HE, Dh, dtype=torch.float32)
+        self.W_gate = empty(HE, Dh, I, dtype=config.dtype)
+        self.W_up = empty(HE, Dh, I, dtype=config.dtype)
+        self.W_down = empty(HE, I, Dh, dtype=config.dtype)
+        self.router = Router(HE, device=device)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, weight_std: float = 0.02, gate_std: float = 0.25) -> None:
+        self.gate.normal_(0.0, gate_std)
+        for w in (self.W_gate, self.W_up, self.W_down):
+            w.copy_(torch.randn(w.shape, device=w.device) * weight_std)
+        self.router.expert_bias.zero_()
+        self.router.expert_bias_ema.zero_()
+
+    # -- checkpoints -------------------------------------------------------------------------
+    @classmethod
+    def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: MoEConfig,
+                        **kwargs) -> "MagiMoE":
+        """Build a layer from a released-layout checkpoint dict (names and shapes of SPEC 3).
+
+        Missing or unexpected keys, wrong shapes and non-finite router weights raise ValueError."""
+        layer = cls(config, device="meta", **kwargs)
+        expected = set(layer.state_dict())
+        missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+        if missing or unexpected:
+            raise ValueError(f"state_dict keys do not match the released layout: "
+                             f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        for name, ref in layer.state_dict().items():
+            check_tensor(f"state_dict[{name!r}]", state_dict[name], shape=tuple(ref.shape))
+        for name in ("gate", "router.expert_bias", "router.expert_bias_ema"):
+            check_finite(f"state_dict[{name!r}]", state_dict[name])
+        device = state_dict["W_gate"].device
+        layer = layer.to_empty(device=device)
+        layer.load_state_dict(state_dict)
+        return layer
+
+    # -- forward -------------------------------------------------------------------------------
+    @property
+    def selection_bias(self) -> torch.Tensor | None:
+        if self.bias_source == "none":
+            return None
+        return getattr(self.router, self.bias_source)
+
+    def expert_weights(self) -> ExpertWeights:
+        return ExpertWeights(self.W_gate, self.W_up, self.W_down)
+
+    def implementation(self, x: torch.Tensor) -> Implementation:
+        return self.impl or choose_implementation(x.device, x.dtype, deterministic=self.deterministic)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        check_tensor("x", x, shape=(None, cfg.hidden_size), dtype=cfg.dtype, device=self.W_gate.device)
+        routes = route(x, self.gate, self.selection_bias, cfg)
+        table = build_route_table(routes, cfg)
+        impl = self.implementation(x)
+        with torch.no_grad():
+            y = impl(x, table, self.expert_weights(), cfg)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.config.describe()}, bias_source={self.bias_source}, deterministic={self.deterministic}"

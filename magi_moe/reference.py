@@ -1,0 +1,88 @@
+"""The oracle: the expert computation with explicit precision switches (FlashAttention-style).
+
+``precision="float64"`` is the reference: the same bf16-valued inputs upcast to float64, no
+intermediate rounding, output in float64. ``precision="bf16"`` is the plain PyTorch baseline at
+working precision: each matmul rounds its result to bf16 (fp32 accumulation inside), SwiGLU7 in
+fp32 rounded once to bf16, the routing weight applied in fp32 and rounded per route, the top-k
+sum in fp32 with one final rounding. A per-expert loop over the route table keeps both short.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from .config import MoEConfig
+from .routing import RouteTable, Routes, build_route_table, route
+from .validation import check_tensor
+from .weights import ExpertWeights
+
+Precision = Literal["float64", "bf16"]
+SWIGLU_LIMIT = 7.0
+SWIGLU_ALPHA = 1.702
+
+
+def swiglu7(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``min(g,7) * sigmoid(1.702*min(g,7)) * (clamp(u,-7,7) + 1)`` in the inputs' dtype."""
+    g = g.clamp(max=SWIGLU_LIMIT)
+    return g * torch.sigmoid(SWIGLU_ALPHA * g) * (u.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT) + 1)
+
+
+def expert_reference(
+    x: torch.Tensor,
+    table: RouteTable,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    *,
+    precision: Precision = "float64",
+) -> torch.Tensor:
+    """``y[s, h*Dh:(h+1)*Dh] = sum_k p * expert_{h,e}(x[s, h])`` over the routes of ``table``.
+
+    Returns float64 for ``precision="float64"``, else ``x.dtype``.
+    """
+    H, E, Dh = config.num_heads, config.num_experts, config.head_dim
+    check_tensor("x", x, shape=(table.num_tokens, config.hidden_size))
+    weights.check(config)
+    if precision == "float64":
+        work, acc_dtype, out_dtype = torch.float64, torch.float64, torch.float64
+    elif precision == "bf16":
+        work, acc_dtype, out_dtype = x.dtype, torch.float32, x.dtype
+    else:
+        raise ValueError(f"precision must be 'float64' or 'bf16', got {precision!r}")
+
+    xw = x.to(work)
+    acc = torch.zeros(x.shape[0], H, Dh, dtype=acc_dtype, device=x.device)
+    counts = table.counts().tolist()
+    offsets = table.offsets.tolist()
+    for f, count in enumerate(counts):
+        if count == 0:
+            continue  # empty experts cost nothing
+        h = f // E
+        lo, hi = offsets[f], offsets[f + 1]
+        tokens = table.gather_ids[lo:hi].long()
+        xs = xw[tokens, h * Dh:(h + 1) * Dh]
+        g = xs @ weights.w_gate[f].to(work)
+        u = xs @ weights.w_up[f].to(work)
+        a = swiglu7(g.to(acc_dtype), u.to(acc_dtype)).to(work)
+        out = (a @ weights.w_down[f].to(work)).to(acc_dtype)
+        contribution = out * table.sorted_probs[lo:hi].to(acc_dtype)[:, None]
+        if precision == "bf16":
+            contribution = contribution.to(x.dtype).to(acc_dtype)  # one rounding per route
+        # Tokens are distinct within one bank, so index_add_ adds each row once.
+        acc[:, h].index_add_(0, tokens, contribution)
+    return acc.reshape(x.shape[0], H * Dh).to(out_dtype)
+
+
+def layer_reference(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    bias: torch.Tensor | None,
+    weights: ExpertWeights,
+    config: MoEConfig,
+    *,
+    router_dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, Routes]:
+    """The whole layer in float64: routing (in ``router_dtype``) then the expert oracle."""
+    routes = route(x, gate, bias, config, dtype=router_dtype)
+    table = build_route_table(routes, config)
+    return expert_reference(x, table, weights, config, precision="float64"), routes
