@@ -1,0 +1,80 @@
+"""Random test problems and the poisoned run: shared by tests, fuzzers, auditors and benchmarks."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import MoEConfig
+from .registry import Implementation
+from .routing import RouteTable, Routes, build_route_table, route
+from .weights import ExpertWeights, random_weights
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One layer input with its routing, as ANCHORS.md draws it: x N(0,1), router N(0, 1/16),
+    selection bias N(0, bias_std^2), weights N(0, weight_std^2), all values rounded to ``dtype``."""
+
+    config: MoEConfig
+    x: torch.Tensor
+    gate: torch.Tensor
+    bias: torch.Tensor | None
+    weights: ExpertWeights
+    routes: Routes
+    table: RouteTable
+
+    @property
+    def num_tokens(self) -> int:
+        return self.x.shape[0]
+
+    def with_routes(self, routes: Routes) -> "Problem":
+        return Problem(self.config, self.x, self.gate, self.bias, self.weights, routes,
+                       build_route_table(routes, self.config))
+
+
+def random_problem(config: MoEConfig, num_tokens: int, *, seed: int, device="cpu",
+                   x_std: float = 1.0, gate_std: float = 0.25, bias_std: float = 0.05,
+                   weight_std: float = 0.02, dtype: torch.dtype | None = None) -> Problem:
+    """A fresh problem drawn on the CPU from ``seed`` (identical on every device), then moved."""
+    dtype = dtype or config.dtype
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(num_tokens, config.hidden_size, generator=gen) * x_std).to(dtype)
+    gate = torch.randn(config.num_banks, config.head_dim, generator=gen) * gate_std
+    bias = torch.randn(config.num_banks, generator=gen) * bias_std if bias_std else None
+    weights = random_weights(config, dtype=dtype, std=weight_std, generator=gen)
+    x, gate = x.to(device), gate.to(device)
+    bias = bias.to(device) if bias is not None else None
+    weights = weights.to(device)
+    routes = route(x, gate, bias, config)
+    return Problem(config, x, gate, bias, weights, routes, build_route_table(routes, config))
+
+
+def routes_to(expert_ids: torch.Tensor, config: MoEConfig, *, probs: torch.Tensor | None = None,
+              seed: int = 0) -> Routes:
+    """Routes with chosen experts ``[S, H, K]`` (e.g. all tokens to one expert) and random probs."""
+    S, H, K = expert_ids.shape
+    if probs is None:
+        gen = torch.Generator().manual_seed(seed)
+        probs = torch.rand(S, H, K, generator=gen).to(expert_ids.device) * config.route_scale
+    return Routes(expert_ids=expert_ids.to(torch.int64), probs=probs.to(torch.float32))
+
+
+def run_poisoned(impl: Implementation, problem: Problem) -> torch.Tensor:
+    """Run ``impl`` into a NaN-filled output (and NaN-filled workspaces) so unwritten elements show."""
+    from .debug import poison_workspaces
+
+    x = problem.x
+    out = torch.full(x.shape, float("nan"), dtype=impl.output_dtype(x.dtype), device=x.device)
+    with poison_workspaces():
+        result = impl(x, problem.table, problem.weights, problem.config, out=out)
+    if result.data_ptr() != out.data_ptr():
+        raise AssertionError(f"{impl.name} returned a new tensor instead of writing into out")
+    return out
+
+
+def relative_l2(result: torch.Tensor, reference: torch.Tensor) -> float:
+    ref = reference.double()
+    denom = ref.norm()
+    diff = (result.double() - ref).norm()
+    return float(diff / denom) if denom > 0 else float(diff)
