@@ -1,10 +1,18 @@
 """The oracle: the expert computation with explicit precision switches (FlashAttention-style).
 
 ``precision="float64"`` is the reference: the same bf16-valued inputs upcast to float64, no
-intermediate rounding, output in float64. ``precision="bf16"`` is the plain PyTorch baseline at
-working precision: each matmul rounds its result to bf16 (fp32 accumulation inside), SwiGLU7 in
-fp32 rounded once to bf16, the routing weight applied in fp32 and rounded per route, the top-k
-sum in fp32 with one final rounding. A per-expert loop over the route table keeps both short.
+intermediate rounding, output in float64.
+
+``precision="bf16"`` is the plain PyTorch baseline at working precision: each matmul rounds its
+result to bf16 (fp32 accumulation inside), SwiGLU7 in fp32 rounded once to bf16, the routing
+weight applied in fp32 and rounded per route, the top-k sum in fp32 with one final rounding.
+
+``precision="fp32acc"`` emulates the fast paths' precision points exactly (SPEC section 1):
+operands in the input dtype, products and sums in fp32 (bf16 x bf16 products are exact in
+fp32), SwiGLU7 in fp32 rounded once to the input dtype, the routing weight and top-k sum in
+fp32, one final rounding. Kernels differ from it only in fp32 summation order.
+
+A per-expert loop over the route table keeps all three short.
 """
 from __future__ import annotations
 
@@ -17,7 +25,7 @@ from .routing import RouteTable, Routes, build_route_table, route
 from .validation import check_tensor
 from .weights import ExpertWeights
 
-Precision = Literal["float64", "bf16"]
+Precision = Literal["float64", "bf16", "fp32acc"]
 SWIGLU_LIMIT = 7.0
 SWIGLU_ALPHA = 1.702
 
@@ -38,7 +46,8 @@ def expert_reference(
 ) -> torch.Tensor:
     """``y[s, h*Dh:(h+1)*Dh] = sum_k p * expert_{h,e}(x[s, h])`` over the routes of ``table``.
 
-    Returns float64 for ``precision="float64"``, else ``x.dtype``.
+    Returns float64 for ``precision="float64"``, else ``x.dtype``. Under ``fp32acc`` the fp32
+    matmuls must not use TF32 (``torch.backends.cuda.matmul.allow_tf32`` is False by default).
     """
     H, E, Dh = config.num_heads, config.num_experts, config.head_dim
     check_tensor("x", x, shape=(table.num_tokens, config.hidden_size))
@@ -47,8 +56,10 @@ def expert_reference(
         work, acc_dtype, out_dtype = torch.float64, torch.float64, torch.float64
     elif precision == "bf16":
         work, acc_dtype, out_dtype = x.dtype, torch.float32, x.dtype
+    elif precision == "fp32acc":
+        work, acc_dtype, out_dtype = torch.float32, torch.float32, x.dtype
     else:
-        raise ValueError(f"precision must be 'float64' or 'bf16', got {precision!r}")
+        raise ValueError(f"precision must be 'float64', 'bf16' or 'fp32acc', got {precision!r}")
 
     xw = x.to(work)
     acc = torch.zeros(x.shape[0], H, Dh, dtype=acc_dtype, device=x.device)
@@ -63,7 +74,10 @@ def expert_reference(
         xs = xw[tokens, h * Dh:(h + 1) * Dh]
         g = xs @ weights.w_gate[f].to(work)
         u = xs @ weights.w_up[f].to(work)
-        a = swiglu7(g.to(acc_dtype), u.to(acc_dtype)).to(work)
+        a = swiglu7(g.to(acc_dtype), u.to(acc_dtype))
+        if precision == "fp32acc":
+            a = a.to(x.dtype)  # the single rounding of the down-projection operand
+        a = a.to(work)
         out = (a @ weights.w_down[f].to(work)).to(acc_dtype)
         contribution = out * table.sorted_probs[lo:hi].to(acc_dtype)[:, None]
         if precision == "bf16":

@@ -88,10 +88,13 @@ def select_experts(selection: torch.Tensor, top_k: int) -> torch.Tensor:
     """Top-``k`` indices along the last dim, highest first, ties to the lower index, NaN last."""
     if not 1 <= top_k <= selection.shape[-1]:
         raise ValueError(f"top_k must lie in [1, {selection.shape[-1]}], got {top_k}")
-    # NaN -> -inf keeps the sort total; a NaN then ties with genuine -inf, and the lower index
-    # wins among those, which is the documented "NaN ranks last" within the precision we have.
-    key = torch.nan_to_num(selection, nan=float("-inf"))
+    # Highest score first; the stable sort keeps the lower index first among equals. A second
+    # stable sort on the NaN flag then moves NaNs below everything, -inf included.
+    is_nan = torch.isnan(selection)
+    key = torch.where(is_nan, torch.full_like(selection, float("-inf")), selection)
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    nan_last = torch.sort(torch.gather(is_nan, -1, order).to(torch.uint8), dim=-1, stable=True).indices
+    order = torch.gather(order, -1, nan_last)
     return order[..., :top_k]
 
 
