@@ -14,7 +14,6 @@ the suite holds it to; tests skip, with the reason, whatever it does not declare
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -115,31 +114,30 @@ def register(impl: Implementation, *, replace: bool = False) -> Implementation:
 
 
 def get_implementation(name: str) -> Implementation:
-    """A registered implementation by name, or an outside one as ``package.module:attribute``."""
+    """A registered implementation by name, or an outside one (:mod:`magi_moe.plugins`):
+    ``package.module:attribute``, or the name of an installed entry point of the group
+    ``magi_moe.implementations``."""
     _register_builtins()
     if name in _REGISTRY:
         return _REGISTRY[name]
-    if ":" in name:
-        return load_implementation(name)
-    raise ValueError(f"implementation must be one of {sorted(_REGISTRY)} or 'package.module:attr', "
-                     f"got {name!r}")
+    from . import plugins
+
+    impl = plugins.resolve(name)
+    if impl is not None:
+        return impl
+    installed = plugins.entry_point_names()
+    raise ValueError(f"implementation must be one of {sorted(_REGISTRY)}, an entry point of group "
+                     f"{plugins.ENTRY_POINT_GROUP!r} (installed: {installed or 'none'}) or "
+                     f"'package.module:attr', got {name!r}")
 
 
 def load_implementation(spec: str) -> Implementation:
-    """Import ``package.module:attribute``: an Implementation, or a zero-argument factory of one."""
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ValueError(f"implementation spec must look like 'package.module:attribute', got {spec!r}")
-    try:
-        obj = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load implementation {spec!r}: {exc}") from exc
-    if not isinstance(obj, Implementation) and callable(obj):
-        obj = obj()
-    if not isinstance(obj, Implementation):
-        raise ValueError(f"{spec!r} must name a magi_moe.registry.Implementation (or a factory of one), "
-                         f"got {type(obj).__name__}")
-    return register(obj, replace=True)
+    """Import ``package.module:attribute``: an Implementation, or a zero-argument factory of one.
+
+    Loaded once per process and registered under its own name (see :func:`magi_moe.plugins.load_spec`)."""
+    from . import plugins
+
+    return plugins.load_spec(spec)
 
 
 def implementations() -> list[Implementation]:

@@ -1,0 +1,110 @@
+"""Implementations magi-moe did not write, found by name (docs/PLUGGING_IN.md is the guide).
+
+Two ways to name one wherever an implementation is named (``pytest --impl``, ``python -m
+audit --impl``, ``python -m fuzz --impl``, ``MagiMoE(impl=...)``):
+
+- ``package.module:attribute``: the attribute is imported from wherever ``sys.path`` reaches;
+- an installed entry point of the group ``magi_moe.implementations``, by its name (which must
+  equal the implementation's own name, so results are reported under the name asked for)::
+
+      [project.entry-points."magi_moe.implementations"]
+      my-kernel = "my_package.magi_adapter:IMPL"
+
+The attribute is an :class:`~magi_moe.registry.Implementation` or a zero-argument callable that
+returns one (a factory, so that heavy imports wait until the implementation is asked for).
+Each outside implementation is loaded once per process and registered under its own name; a
+name already taken by a different implementation is refused rather than silently replaced.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+
+from . import registry
+from .registry import Implementation
+
+ENTRY_POINT_GROUP = "magi_moe.implementations"
+
+_loaded: dict[str, Implementation] = {}  # by where it came from: "module:attr" or "entry point NAME"
+
+
+def as_implementation(obj: object, source: str) -> Implementation:
+    """``obj`` itself when an Implementation, else the result of calling it with no arguments."""
+    if not isinstance(obj, Implementation) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, Implementation):
+        raise ValueError(f"{source} must be a magi_moe.registry.Implementation or a zero-argument "
+                         f"factory returning one, got {type(obj).__name__}")
+    return obj
+
+
+def _register(impl: Implementation, source: str) -> Implementation:
+    taken = {i.name: i for i in registry.implementations()}.get(impl.name)
+    if taken is impl:
+        return impl  # the same object reached by another name (a spec and an entry point)
+    if taken is not None:
+        raise ValueError(f"{source} declares the name {impl.name!r}, which another implementation "
+                         f"already has; give it its own name so that its results are reported under it")
+    return registry.register(impl)
+
+
+def load_spec(spec: str) -> Implementation:
+    """The implementation named by ``package.module:attribute`` (imported once per process)."""
+    if spec in _loaded:
+        return _loaded[spec]
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr or ":" in attr:
+        raise ValueError(f"implementation spec must look like 'package.module:attribute', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot load implementation {spec!r}: importing {module_name!r} failed: {exc}") from exc
+    if not hasattr(module, attr):
+        raise ValueError(f"cannot load implementation {spec!r}: module {module_name!r} has no attribute {attr!r}")
+    impl = _register(as_implementation(getattr(module, attr), f"implementation {spec!r}"),
+                     f"implementation {spec!r}")
+    _loaded[spec] = impl
+    return impl
+
+
+def entry_point_names() -> list[str]:
+    """Names of the installed entry points of the group (nothing is imported)."""
+    return sorted({ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def load_entry_point(name: str) -> Implementation | None:
+    """The implementation an installed entry point of the group provides, or None if none is named so."""
+    key = f"entry point {name!r}"
+    if key in _loaded:
+        return _loaded[key]
+    matches = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == name]
+    if not matches:
+        return None
+    if len({ep.value for ep in matches}) > 1:
+        raise ValueError(f"{key} of group {ENTRY_POINT_GROUP!r} is installed more than once, pointing to "
+                         f"{sorted(ep.value for ep in matches)}; uninstall all but one")
+    ep = matches[0]
+    source = f"{key} ({ep.value}) of group {ENTRY_POINT_GROUP!r}"
+    try:
+        obj = ep.load()
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {source}: {exc}") from exc
+    impl = as_implementation(obj, source)
+    if impl.name != name:
+        raise ValueError(f"{source} provides an implementation named {impl.name!r}; the entry point "
+                         f"and the implementation must have the same name")
+    _loaded[key] = _register(impl, source)
+    return impl
+
+
+def discover() -> list[Implementation]:
+    """Load every installed entry point of the group (to list them, or to run them all)."""
+    return [load_entry_point(name) for name in entry_point_names()]
+
+
+def resolve(name: str) -> Implementation | None:
+    """An outside implementation: ``package.module:attribute`` when ``name`` has a colon, else the
+    installed entry point of that name; None when no entry point has the name."""
+    if ":" in name:
+        return load_spec(name)
+    return load_entry_point(name)
