@@ -157,9 +157,10 @@ def _check_against_single_process(case: EPCase, out_dir: str, device: torch.devi
         mismatch = (ep.view(torch.int16) != single.view(torch.int16)).sum().item()
         assert mismatch == 0, f"{mismatch} of {ep.numel()} elements differ bitwise from one process"
     else:
-        # Atomics reorder fp32 sums; after the one rounding to bf16 that is at most one ulp.
+        # Atomics reorder fp32 sums: after the one rounding to bf16, one ulp (rtol), or a few fp32
+        # ulps of the largest output where terms cancel (atol).
         torch.testing.assert_close(ep.float(), single.float(), rtol=2.0 ** -7,
-                                   atol=1e-6 * single.float().abs().max().item())
+                                   atol=1e-5 * single.float().abs().max().item())
 
 
 # -- layout and loading, no processes ---------------------------------------------------------
