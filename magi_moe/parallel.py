@@ -222,17 +222,19 @@ class ExpertParallelMoE:
         """This rank's shard of a full released-layout checkpoint (see :func:`shard_state_dict`).
 
         ``impl`` by name or object; by default :func:`~magi_moe.dispatch.choose_implementation`
-        picks for the weights' device. ``deterministic=True`` refuses an implementation that does
-        not declare the capability.
+        picks for the weights' device (its deterministic choice when ``deterministic=True``); an
+        implementation named with ``deterministic=True`` must declare the capability.
         """
-        shard = group_shard(config, group)
-        local = shard_state_dict(state_dict, config, shard, device=device)
+        if bias_source not in BIAS_SOURCES:
+            raise ValueError(f"bias_source must be one of {BIAS_SOURCES}, got {bias_source!r}")
         if isinstance(impl, str):
             impl = get_implementation(impl)
+        if impl is not None and deterministic and not impl.deterministic:
+            raise ValueError(f"impl: deterministic=True but {impl.name!r} does not declare 'deterministic'")
+        shard = group_shard(config, group)
+        local = shard_state_dict(state_dict, config, shard, device=device)
         if impl is None:
             impl = choose_implementation(local["W_gate"].device, config.dtype, deterministic=deterministic)
-        if deterministic and not impl.deterministic:
-            raise ValueError(f"impl: deterministic=True but {impl.name!r} does not declare 'deterministic'")
         return cls(config, shard, local, impl=impl, group=group, bias_source=bias_source)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

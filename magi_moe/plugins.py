@@ -58,9 +58,11 @@ def load_spec(spec: str) -> Implementation:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot load implementation {spec!r}: importing {module_name!r} failed: {exc}") from exc
+        raise ValueError(f"cannot load implementation {spec!r}: importing {module_name!r} failed: "
+                         f"{exc}") from exc
     if not hasattr(module, attr):
-        raise ValueError(f"cannot load implementation {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        raise ValueError(f"cannot load implementation {spec!r}: module {module_name!r} has no "
+                         f"attribute {attr!r}")
     impl = _register(as_implementation(getattr(module, attr), f"implementation {spec!r}"),
                      f"implementation {spec!r}")
     _loaded[spec] = impl

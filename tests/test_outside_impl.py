@@ -75,7 +75,8 @@ def plugin_dir(tmp_path) -> Path:
 
 @pytest.fixture
 def broken_dir(tmp_path) -> Path:
-    return _write_distribution(tmp_path / "broken", "magi_broken_plugins", {"magi_broken_plugins": BROKEN_MODULE}, {
+    modules = {"magi_broken_plugins": BROKEN_MODULE}
+    return _write_distribution(tmp_path / "broken", "magi_broken_plugins", modules, {
         "demo-wrong-name": "magi_broken_plugins:WRONG_NAME",
         "demo-not-an-impl": "magi_broken_plugins:NOT_AN_IMPL",
         "demo-missing-module": "magi_no_such_module:IMPL",

@@ -76,6 +76,8 @@ CPU_CASES = [
     EPCase("w4-five-heads-uneven", FIVE_HEADS, (17, 0, 29, 3), "reference", "expert_bias", seed=5),
     EPCase("w4-softmax-no-tokens-anywhere", preset("small-softmax"), (0, 0, 0, 0), "reference", seed=6),
     EPCase("w4-small-bf16", preset("small"), (8, 8, 8, 8), "torch-bf16", seed=7),
+    EPCase("w3-five-heads-outside-impl", FIVE_HEADS, (11, 6, 0), "tests.outside_impl_example:IMPL",
+           "expert_bias", seed=15),
 ]
 # Triton kernels under the interpreter; included when this process has TRITON_INTERPRET=1.
 INTERPRET_CASES = [
@@ -247,6 +249,15 @@ def test_ep_needs_an_initialised_process_group():
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         group_shard(preset("tiny"))
+
+
+def test_ep_refuses_bad_options_before_any_collective():
+    cfg = preset("tiny")
+    ckpt = make_checkpoint(cfg, seed=25)
+    with pytest.raises(ValueError, match="'torch-bf16' does not declare 'deterministic'"):
+        ExpertParallelMoE.from_state_dict(ckpt, cfg, impl="torch-bf16", deterministic=True)
+    with pytest.raises(ValueError, match="bias_source"):
+        ExpertParallelMoE.from_state_dict(ckpt, cfg, bias_source="ema")
 
 
 # -- several processes on gloo ----------------------------------------------------------------
