@@ -1,0 +1,471 @@
+"""``python -m audit``: every auditor in one run, a summary table, report.md, report.json, plots.
+
+Sections, in order: backend self-check; the bounds' own mpmath validation; error bounds for each
+implementation on each probe (with the FlashAttention-style baseline ratio); negative controls
+(broken emulations the bounds must flag); determinism; weight cache; discipline and
+``torch.compile`` (CUDA). Each produces rows with a status: ``pass``, ``FAIL``, ``info`` or
+``skip``. Any ``FAIL`` makes the exit status 1.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from magi_moe.backends import Backend, get_backend
+from magi_moe.config import MoEConfig, preset
+from magi_moe.layer import MagiMoE
+from magi_moe.problems import Problem, run_poisoned
+from magi_moe.registry import Implementation, get_implementation, implementations
+
+from . import mpcheck
+from .bounds import (DEFAULT_FAILURE_PROBABILITY, BoundReport, compare_with_baseline,
+                     compute_error_bounds, evaluate_bounds)
+from .cache import audit_weight_cache
+from .determinism import audit_determinism
+from .emulation import FP32ACC_EMULATION, negative_controls
+from .precision import precision_model
+from .probes import PROBE_DESCRIPTIONS, PROBES, probe_problem
+from .selfcheck import run_selfcheck
+
+PASS, FAIL, INFO, SKIP = "pass", "FAIL", "info", "skip"
+
+
+@dataclass
+class AuditOptions:
+    backend: str = "cpu"
+    impls: list[str] = field(default_factory=list)  # empty: every registered one runnable here
+    presets: list[str] = field(default_factory=list)
+    tokens: int | None = None
+    seed: int = 0
+    out: Path = Path("audit-report")
+    probes: tuple[str, ...] = PROBES
+    determinism_runs: int | None = None
+    controls: bool = True
+    mp_validation: bool = True
+    failure_probability: float = DEFAULT_FAILURE_PROBABILITY
+
+    def resolved_presets(self) -> list[str]:
+        if self.presets:
+            return self.presets
+        return ["magi2-ep4-local", "magi2-full"] if self.backend == "cuda" else ["small"]
+
+    def resolved_tokens(self) -> int:
+        return self.tokens or (4096 if self.backend == "cuda" else 128)
+
+
+@dataclass
+class Row:
+    section: str
+    subject: str
+    status: str
+    result: str
+    data: dict = field(default_factory=dict)
+
+
+class Audit:
+    """Runs the sections, prints progress, keeps every row for the report files."""
+
+    def __init__(self, options: AuditOptions, stream=sys.stdout):
+        self.options = options
+        self.backend: Backend = get_backend(options.backend)
+        self.device = torch.device(self.backend.device)
+        self.rows: list[Row] = []
+        self.bound_reports: list[tuple[str, str, str, BoundReport]] = []  # preset, probe, impl
+        self.stream = stream
+        self.started = time.perf_counter()
+
+    # -- output ------------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def add(self, section: str, subject: str, status: str, result: str,
+            data: dict | None = None) -> Row:
+        row = Row(section, subject, status, result, data or {})
+        self.rows.append(row)
+        elapsed = time.perf_counter() - self.started
+        self.say(f"[{elapsed:6.1f}s] {section:<12} {subject:<42} {status.upper():<5} {result}")
+        return row
+
+    @property
+    def failed(self) -> bool:
+        return any(r.status == FAIL for r in self.rows)
+
+    # -- implementations -----------------------------------------------------------------------
+    def selected_impls(self) -> list[Implementation]:
+        if self.options.impls:
+            return [get_implementation(n) for n in self.options.impls]
+        return implementations()
+
+    def runnable_here(self, impl: Implementation) -> str | None:
+        """Why ``impl`` cannot run on this audit's device, or None. The ``cpu`` backend also
+        runs Triton implementations when the interpreter is enabled (same device)."""
+        if self.backend.name == "cpu" and self.backend.name not in impl.backends:
+            interp = get_backend("interpret")
+            if "interpret" in impl.backends and interp.available:
+                return None
+        return impl.skip_reason(self.backend)
+
+    def model_for(self, impl: Implementation, dtype: torch.dtype):
+        """The declared model. Kernels are held to round-to-nearest even under the interpreter,
+        whose own fp32 -> bf16 conversion truncates (the self-check reports it): they must round
+        by bit arithmetic there (``magi_moe.kernels.rounding``). ``audit.precision.
+        with_truncating_downcasts`` gives the model a truncating kernel would need."""
+        return precision_model(impl.precision, dtype)
+
+    # -- sections ------------------------------------------------------------------------------
+    def run(self) -> int:
+        o = self.options
+        self.say(f"magi-moe audit: backend {self.backend.name} ({self.backend.description}), "
+                 f"presets {o.resolved_presets()}, {o.resolved_tokens()} tokens, seed {o.seed}")
+        self.section_selfcheck()
+        if o.mp_validation:
+            self.section_mpcheck()
+        problems = self.section_bounds()
+        if o.controls:
+            self.section_controls()
+        self.section_determinism(problems)
+        self.section_cache()
+        self.section_discipline(problems)
+        self.write()
+        return 1 if self.failed else 0
+
+    def section_selfcheck(self) -> None:
+        backend = self.backend
+        if backend.name == "cpu" and get_backend("interpret").available:
+            backend = get_backend("interpret")
+        checks = run_selfcheck(backend, seed=self.options.seed)
+        for c in checks:
+            self.add("selfcheck", f"{backend.name}: {c.name}", c.status, c.detail)
+
+    def section_mpcheck(self) -> None:
+        for c in mpcheck.iter_checks(seed=self.options.seed, quick=True):
+            self.add("mpcheck", c.name[:42], PASS if c.ok else FAIL, c.detail, {"name": c.name})
+
+    def section_bounds(self) -> dict[str, Problem]:
+        o = self.options
+        impls = self.selected_impls()
+        baseline = get_implementation("torch-bf16")
+        random_problems = {}
+        runnable = []
+        for impl in impls:
+            why = self.runnable_here(impl)
+            if why:
+                self.add("bounds", impl.name, SKIP, why)
+            else:
+                runnable.append(impl)
+        for preset_name in o.resolved_presets():
+            config = preset(preset_name)
+            here = [i for i in runnable if config.dtype in i.dtypes]
+            if not here:
+                continue
+            models = {i.name: self.model_for(i, config.dtype) for i in here}
+            for probe in o.probes:
+                problem = probe_problem(probe, config, o.resolved_tokens(), seed=o.seed,
+                                        device=self.device)
+                if probe == "random":
+                    random_problems[preset_name] = problem
+                bounds = compute_error_bounds(problem.x, problem.table, problem.weights, config,
+                                              set(models.values()),
+                                              failure_probability=o.failure_probability)
+                base_out = run_poisoned(baseline, problem)
+                for impl in here:
+                    self._check_bounds(impl, problem, bounds[models[impl.name].name], base_out,
+                                       preset_name, probe)
+        return random_problems
+
+    def _check_bounds(self, impl, problem, bounds, base_out, preset_name, probe) -> None:
+        start = time.perf_counter()
+        try:
+            out = run_poisoned(impl, problem)
+        except Exception as exc:  # noqa: BLE001 -- a crash is a finding
+            self.add("bounds", f"{impl.name} @ {preset_name}/{probe}", FAIL,
+                     f"{type(exc).__name__}: {exc}")
+            return
+        seconds = time.perf_counter() - start
+        report = evaluate_bounds(out, bounds, label=impl.name)
+        self.bound_reports.append((preset_name, probe, impl.name, report))
+        result = (f"{report.model}: err/bound max {report.worst_max_ratio:.3g} worst-case, "
+                  f"{report.prob_max_ratio:.3g} probabilistic; rel L2 {report.relative_l2:.2e}")
+        data = {"bounds": report.to_dict(), "seconds": seconds, "preset": preset_name, "probe": probe}
+        if report.model != "float64" and impl.name != "torch-bf16":
+            fa = compare_with_baseline(out, base_out, bounds.reference, dtype=problem.x.dtype)
+            result += f"; vs torch-bf16 {fa.ratio:.2f}x"
+            data["baseline"] = fa.to_dict()
+            ok = report.ok and fa.ok
+        else:
+            ok = report.ok
+        if not report.proven_ok:
+            result += " -- WORST-CASE BOUND VIOLATED"
+        elif not report.ok:
+            result += " -- precision loss beyond the model"
+        self.add("bounds", f"{impl.name} @ {preset_name}/{probe}", PASS if ok else FAIL, result, data)
+
+    def section_controls(self) -> None:
+        """Broken emulations on the CPU at the small preset: each must be flagged on some probe."""
+        config = preset("small")
+        problems = {p: probe_problem(p, config, 128, seed=self.options.seed) for p in PROBES}
+        correct = FP32ACC_EMULATION
+        for impl in (correct,) + negative_controls():
+            flagged = []
+            worst = 0.0
+            for probe, problem in problems.items():
+                report = evaluate_bounds(run_poisoned(impl, problem),
+                                         _bounds_cache(problem, "bf16-fp32acc",
+                                                       self.options.failure_probability),
+                                         label=impl.name)
+                worst = max(worst, report.prob_max_ratio)
+                if not report.ok:
+                    flagged.append(f"{probe} ({report.prob_max_ratio:.3g})")
+            if impl is correct:
+                status = PASS if not flagged else FAIL
+                result = (f"passes every probe (max err/prob. bound {worst:.3g})" if not flagged
+                          else f"flagged on {', '.join(flagged)}")
+            else:
+                status = PASS if flagged else FAIL
+                result = (f"flagged on {', '.join(flagged)}" if flagged else
+                          f"NOT flagged (max err/prob. bound {worst:.3g}): the bounds lost their power")
+            self.add("controls", f"{impl.name}: {impl.description}"[:42], status, result,
+                     {"description": impl.description})
+
+    def section_determinism(self, problems: dict[str, Problem]) -> None:
+        o = self.options
+        if self.device.type == "cuda":
+            problem = problems[o.resolved_presets()[0]]
+            runs = o.determinism_runs or 20
+        else:  # the interpreter runs programs one after another: a small input shows as much
+            problem = probe_problem("random", preset("tiny"), 64, seed=o.seed)
+            runs = o.determinism_runs or 3
+        for impl in self.selected_impls():
+            why = self.runnable_here(impl)
+            if why:
+                self.add("determinism", impl.name, SKIP, why)
+                continue
+            report = audit_determinism(impl, problem, runs=runs)
+            status = (PASS if report.ok else FAIL) if report.declared_deterministic else INFO
+            self.add("determinism", impl.name, status,
+                     f"{report.differing}/{report.elements} elements differ over {runs} runs "
+                     f"(max |diff| {report.max_abs_spread:.3g})"
+                     + ("" if report.declared_deterministic else "; not declared deterministic"),
+                     report.to_dict())
+
+    def section_cache(self) -> None:
+        o = self.options
+        cached = [i for i in self.selected_impls() if "weight_cache" in i.capabilities]
+        if not cached:
+            self.add("cache", "weight cache", SKIP, "no selected implementation declares weight_cache")
+        # Cache behaviour does not depend on the shape; fresh production layers would cost
+        # seconds each to draw, and interpreted kernels pay per operation.
+        config = preset("small") if self.device.type == "cuda" else preset("tiny")
+        for impl in cached:
+            why = self.runnable_here(impl)
+            if why:
+                self.add("cache", impl.name, SKIP, why)
+                continue
+
+            def show(r, impl=impl):
+                status = SKIP if r.status == "skip" else (PASS if r.ok else FAIL)
+                self.add("cache", f"{impl.name}: {r.route}/{r.parameter}", status,
+                         f"{r.status}: {r.detail}", r.to_dict())
+
+            report = audit_weight_cache(
+                lambda impl=impl: MagiMoE(config, impl=impl, device=self.device),
+                label=impl.name, seed=o.seed, on_result=show)
+            if not report.has_cache:
+                self.add("cache", impl.name, FAIL, "declares weight_cache but layer.weight_cache is None")
+
+    def section_discipline(self, problems: dict[str, Problem]) -> None:
+        if self.device.type != "cuda":
+            self.add("discipline", "host sync / allocations / compile", SKIP, "CUDA only")
+            return
+        from .discipline import audit_compile, audit_discipline, audit_layer_discipline
+
+        problem = problems[self.options.resolved_presets()[0]]
+        for impl in self.selected_impls():
+            if self.runnable_here(impl) or impl.precision == "float64":
+                continue
+            report = audit_discipline(impl, problem)
+            status = (PASS if report.ok else FAIL) if report.declares_no_host_sync else INFO
+            self.add("discipline", impl.name, status, report.summary().split(": ", 1)[1],
+                     report.to_dict())
+        config = problem.config
+        for impl in self.selected_impls():
+            if "no_host_sync" in impl.capabilities and not self.runnable_here(impl):
+                report = audit_layer_discipline(
+                    lambda impl=impl: MagiMoE(config, impl=impl, device=self.device),
+                    num_tokens=problem.num_tokens, seed=self.options.seed,
+                    label=f"MagiMoE(impl={impl.name})")
+                self.add("discipline", report.label, PASS if report.ok else FAIL,
+                         report.summary().split(": ", 1)[1], report.to_dict())
+        factories = {"MagiMoE(default dispatch)": lambda: MagiMoE(config, device=self.device)}
+        for impl in self.selected_impls():
+            if "weight_cache" in impl.capabilities and not self.runnable_here(impl):
+                factories[f"MagiMoE(impl={impl.name})"] = (
+                    lambda impl=impl: MagiMoE(config, impl=impl, device=self.device))
+        for label, factory in factories.items():
+            report = audit_compile(factory, label=label, seed=self.options.seed)
+            self.add("compile", label, PASS if report.ok else FAIL, report.detail)
+
+    # -- files ---------------------------------------------------------------------------------
+    def write(self) -> None:
+        out = Path(self.options.out)
+        out.mkdir(parents=True, exist_ok=True)
+        plots = write_plots(self.bound_reports, out)
+        meta = environment(self.backend, self.options)
+        meta["seconds"] = round(time.perf_counter() - self.started, 1)
+        (out / "report.json").write_text(json.dumps(
+            {"meta": meta, "ok": not self.failed,
+             "rows": [dict(r.__dict__) for r in self.rows],
+             "bounds_samples": [{"preset": p, "probe": q, "impl": i, "sample": r.sample}
+                                for p, q, i, r in self.bound_reports]},
+            indent=1, default=str))
+        (out / "report.md").write_text(markdown(self.rows, meta, plots, not self.failed))
+        self.say("")
+        self.say(summary_table(self.rows))
+        self.say(f"\n{'FAILED' if self.failed else 'PASSED'} in {meta['seconds']} s; "
+                 f"report in {out}/ (report.md, report.json, {', '.join(plots)})")
+
+
+_BOUNDS: dict = {}
+
+
+def _bounds_cache(problem: Problem, model: str, failure_probability: float):
+    key = (id(problem), model)
+    if key not in _BOUNDS or _BOUNDS[key][0] is not problem:
+        _BOUNDS[key] = (problem, compute_error_bounds(
+            problem.x, problem.table, problem.weights, problem.config, [model],
+            failure_probability=failure_probability)[model])
+    return _BOUNDS[key][1]
+
+
+def environment(backend: Backend, options: AuditOptions) -> dict:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    device = (torch.cuda.get_device_name(0) if backend.name == "cuda" and torch.cuda.is_available()
+              else platform.processor() or platform.machine())
+    return {"backend": backend.name, "device": device, "torch": torch.__version__,
+            "triton": triton_version, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "presets": options.resolved_presets(),
+            "tokens": options.resolved_tokens(), "seed": options.seed,
+            "probes": list(options.probes), "failure_probability": options.failure_probability}
+
+
+def summary_table(rows: list[Row]) -> str:
+    """Per section: counts by status, and the failing subjects."""
+    lines = [f"{'section':<12} {'pass':>5} {'FAIL':>5} {'info':>5} {'skip':>5}  failures"]
+    sections = list(dict.fromkeys(r.section for r in rows))
+    for s in sections:
+        mine = [r for r in rows if r.section == s]
+        count = lambda st: sum(r.status == st for r in mine)  # noqa: E731
+        failures = ", ".join(r.subject for r in mine if r.status == FAIL)
+        lines.append(f"{s:<12} {count(PASS):>5} {count(FAIL):>5} {count(INFO):>5} {count(SKIP):>5}  "
+                     f"{failures[:100]}")
+    return "\n".join(lines)
+
+
+def _md_escape(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(rows: list[Row], meta: dict, plots: list[str], ok: bool) -> str:
+    out = [f"# magi-moe audit: {'PASSED' if ok else 'FAILED'}", "",
+           ", ".join(f"{k}: {v}" for k, v in meta.items()), "",
+           "Error bounds: per element, |out - float64 reference| against an a-priori worst-case "
+           "bound (must never be exceeded) and a probabilistic one (Higham & Mary 2019; exceeded "
+           f"with probability < {meta['failure_probability']:g} by an implementation that follows "
+           "its precision model). Probes:", ""]
+    out += [f"- `{k}`: {v}" for k, v in PROBE_DESCRIPTIONS.items()]
+    out += ["", "## Summary", "", "```", summary_table(rows), "```", ""]
+    for section in dict.fromkeys(r.section for r in rows):
+        out += [f"## {section}", "", "| subject | status | result |", "|---|---|---|"]
+        out += [f"| {_md_escape(r.subject)} | {r.status} | {_md_escape(r.result)} |"
+                for r in rows if r.section == section]
+        out.append("")
+        if section == "bounds":
+            out += _quantile_table(rows) + [""]
+    if plots:
+        out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(out)
+
+
+def _quantile_table(rows: list[Row]) -> list[str]:
+    lines = ["Distribution of error / probabilistic bound:", "",
+             "| implementation @ preset/probe | p50 | p90 | p99 | p99.9 | max | lam |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r.data.get("bounds")
+        if r.section == "bounds" and b:
+            q = b["prob_quantiles"]
+            lines.append(f"| {_md_escape(r.subject)} | " + " | ".join(
+                f"{q.get(k, 0):.3g}" for k in ("p50", "p90", "p99", "p99.9"))
+                + f" | {b['prob_max_ratio']:.3g} | {b['lam']:.2f} |")
+    return lines
+
+
+def write_plots(bound_reports, out: Path) -> list[str]:
+    """error_ratio_hist.png and error_vs_bound.png for the first preset, one panel per probe."""
+    if not bound_reports:
+        return []
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first_preset = bound_reports[0][0]
+    chosen = [(probe, impl, r) for p, probe, impl, r in bound_reports
+              if p == first_preset and r.model != "float64"]
+    probes = list(dict.fromkeys(probe for probe, _, _ in chosen))
+    if not probes:
+        return []
+    cols = min(2, len(probes))
+    rows_n = (len(probes) + cols - 1) // cols
+    files = []
+
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 3.6 * rows_n), squeeze=False)
+    for ax, probe in zip(axes.flat, probes):
+        for _, impl, r in (c for c in chosen if c[0] == probe):
+            edges = r.hist_edges
+            ax.stairs(r.prob_hist, edges, label=impl)
+        ax.axvline(1.0, color="k", lw=1, ls="--")
+        ax.set_xscale("log")
+        ax.set_title(f"{first_preset} / {probe}")
+        ax.set_xlabel("|error| / probabilistic bound")
+        ax.set_ylabel("elements")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(probes):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out / "error_ratio_hist.png", dpi=110)
+    plt.close(fig)
+    files.append("error_ratio_hist.png")
+
+    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 4.2 * rows_n), squeeze=False)
+    for ax, probe in zip(axes.flat, probes):
+        lo, hi = float("inf"), 0.0
+        for _, impl, r in (c for c in chosen if c[0] == probe):
+            err = torch.tensor(r.sample["error"], dtype=torch.float64).clamp_min(1e-12)
+            bound = torch.tensor(r.sample["worst"], dtype=torch.float64)
+            ax.scatter(bound.numpy(), err.numpy(), s=2, alpha=0.4, label=impl)
+            lo, hi = min(lo, float(bound.min())), max(hi, float(bound.max()))
+        if hi > 0:
+            ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="error = worst-case bound")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{first_preset} / {probe}")
+        ax.set_xlabel("worst-case bound")
+        ax.set_ylabel("|out - reference|")
+        ax.legend(fontsize=7, markerscale=4)
+    for ax in list(axes.flat)[len(probes):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(out / "error_vs_bound.png", dpi=110)
+    plt.close(fig)
+    files.append("error_vs_bound.png")
+    return files

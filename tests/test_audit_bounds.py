@@ -1,0 +1,201 @@
+"""The error-bound auditor: real implementations stay under both bounds on every probe; the
+broken precision variants exceed the probabilistic one on the probe aimed at them; the bound
+arithmetic matches an element-wise mpmath evaluation and an exact simulation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from audit.bounds import (BoundReport, check_error_bounds, compare_with_baseline,
+                          compute_error_bounds, evaluate_bounds, problem_bounds)
+from audit.precision import (BF16, FP32, gamma, gamma_probabilistic, hoeffding_lambda,
+                             precision_model, truncating, with_truncating_downcasts)
+from audit.probes import PROBES, probe_problem
+from magi_moe.config import preset
+from magi_moe.problems import run_poisoned
+from magi_moe.reference import expert_reference
+from magi_moe.registry import get_implementation
+from tests.audit_broken import (BF16_DOWN_ACCUMULATION, BF16_GATE_UP_ACCUMULATION,
+                                CORRECT_EMULATION, ROUNDS_BEFORE_SWIGLU)
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    """Many small float64 ops: one thread avoids oversubscription on the 2-core CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def small_probes():
+    """Each probe at the ``small`` preset (Dh=64, I=128, K=4), fresh seed per module run."""
+    return {name: probe_problem(name, preset("small"), 128, seed=11) for name in PROBES}
+
+
+# -- real implementations pass -----------------------------------------------------------------
+
+@pytest.mark.parametrize("probe", PROBES)
+def test_implementation_within_bounds(impl_backend, probe):
+    """Every registered implementation, on every backend here, under its declared model."""
+    impl, backend = impl_backend.impl, impl_backend.backend
+    # The interpreter pays per program: the tiny preset keeps kernel runs well under a second.
+    cfg = preset("tiny") if backend.runs_triton and backend.name != "cuda" else preset("small")
+    problem = probe_problem(probe, cfg, 64, seed=3, device=impl_backend.device)
+    if cfg.dtype not in impl.dtypes:
+        pytest.skip(f"{impl.name} does not declare {cfg.dtype}")
+    report = check_error_bounds(run_poisoned(impl, problem), problem, impl)
+    assert report.ok, report.summary()
+    assert report.nonfinite == 0
+
+
+@pytest.mark.parametrize("probe", PROBES)
+def test_fp32acc_emulation_passes_and_beats_baseline(small_probes, probe):
+    problem = small_probes[probe]
+    out = run_poisoned(CORRECT_EMULATION, problem)
+    report = check_error_bounds(out, problem, "bf16-fp32acc")
+    assert report.ok, report.summary()
+    # Real margin, not a lucky pass: the worst element sits well under the tight bound.
+    assert report.prob_max_ratio < 0.6, report.summary()
+    baseline = run_poisoned(get_implementation("torch-bf16"), problem)
+    fa = compare_with_baseline(out, baseline, problem_bounds(problem, "bf16-fp32acc").reference,
+                               dtype=problem.x.dtype)
+    assert fa.ok, fa.summary()
+    assert fa.ratio < 1.0, fa.summary()  # fp32 accumulation beats plain PyTorch bf16
+
+
+def test_correct_emulation_passes_on_fresh_seeds():
+    """The probabilistic bound's false-alarm rate is tiny: a few fresh problems all pass."""
+    for seed in (101, 202, 303):
+        problem = probe_problem("random", preset("small"), 96, seed=seed)
+        report = check_error_bounds(run_poisoned(CORRECT_EMULATION, problem), problem,
+                                    "bf16-fp32acc")
+        assert report.ok, report.summary()
+
+
+# -- broken variants are flagged ----------------------------------------------------------------
+
+@pytest.mark.parametrize("broken, probes", [
+    (BF16_GATE_UP_ACCUMULATION, ("random", "swamp")),
+    (BF16_DOWN_ACCUMULATION, ("random", "swamp", "clamp")),
+    (ROUNDS_BEFORE_SWIGLU, ("cancel-up",)),
+], ids=lambda v: v.name if hasattr(v, "name") else "-".join(v))
+def test_broken_precision_is_flagged(small_probes, broken, probes):
+    for probe in probes:
+        problem = small_probes[probe]
+        report = check_error_bounds(run_poisoned(broken, problem), problem, broken)
+        assert not report.ok, f"{broken.name} passed on {probe}: {report.summary()}"
+        assert report.prob_max_ratio > 1.2, report.summary()
+
+
+def test_swamp_probe_exposes_bf16_gate_up_by_far(small_probes):
+    problem = small_probes["swamp"]
+    report = check_error_bounds(run_poisoned(BF16_GATE_UP_ACCUMULATION, problem), problem,
+                                "bf16-fp32acc")
+    assert not report.proven_ok  # beyond the worst case: a proof, not a statistical flag
+    assert report.worst_max_ratio > 5
+
+
+def test_rounding_before_swiglu_only_visible_with_cancellation(small_probes):
+    """Why the cancel-up probe exists: on random inputs this loss hides inside the bound."""
+    random_report = check_error_bounds(run_poisoned(ROUNDS_BEFORE_SWIGLU, small_probes["random"]),
+                                       small_probes["random"], "bf16-fp32acc")
+    cancel_report = check_error_bounds(run_poisoned(ROUNDS_BEFORE_SWIGLU, small_probes["cancel-up"]),
+                                       small_probes["cancel-up"], "bf16-fp32acc")
+    assert cancel_report.prob_max_ratio > 5 * random_report.prob_max_ratio
+
+
+# -- the report itself ---------------------------------------------------------------------------
+
+def test_single_element_violation_is_located(small_probes):
+    problem = small_probes["random"]
+    bounds = problem_bounds(problem, "bf16-fp32acc")
+    out = bounds.reference.clone()
+    out[5, 17] += 3 * bounds.worst[5, 17]
+    report = evaluate_bounds(out, bounds, label="tampered")
+    assert report.worst_violations == 1 and report.prob_violations == 1
+    assert report.worst_element == (5, 17)
+    assert not report.proven_ok and not report.ok
+    assert "BOUND VIOLATED" in report.summary()
+
+
+def test_unwritten_elements_are_flagged(small_probes):
+    problem = small_probes["random"]
+    out = run_poisoned(CORRECT_EMULATION, problem)
+    out[3, :7] = float("nan")
+    report = check_error_bounds(out, problem, "bf16-fp32acc")
+    assert report.nonfinite == 7 and not report.proven_ok
+
+
+def test_report_statistics_are_consistent(small_probes):
+    problem = small_probes["clamp"]
+    report = check_error_bounds(run_poisoned(CORRECT_EMULATION, problem), problem, "bf16-fp32acc")
+    assert isinstance(report, BoundReport)
+    assert sum(report.prob_hist) == report.elements == problem.x.numel()
+    q = report.prob_quantiles
+    assert q["p50"] <= q["p90"] <= q["p99"] <= q["p99.9"] <= report.prob_max_ratio
+    assert report.worst_max_ratio <= report.prob_max_ratio  # the worst-case bound is the larger
+    assert report.max_ratio == report.prob_max_ratio
+    d = report.to_dict()
+    assert d["ok"] and "sample" not in d and len(report.sample["error"]) > 0
+
+
+def test_reference_matches_expert_reference(small_probes):
+    problem = small_probes["swamp"]
+    bounds = problem_bounds(problem, "bf16-plain")
+    ref = expert_reference(problem.x, problem.table, problem.weights, problem.config)
+    assert torch.allclose(bounds.reference, ref, rtol=0, atol=1e-12)
+
+
+def test_bounds_order_models(small_probes):
+    """More rounding points, larger bounds; the float64 model's bound is ~1e-12 relative."""
+    problem = small_probes["random"]
+    b = compute_error_bounds(problem.x, problem.table, problem.weights, problem.config,
+                             ["float64", "bf16-fp32acc", "bf16-plain", "bf16-fp32acc+rz"])
+    assert bool((b["bf16-fp32acc"].worst < b["bf16-plain"].worst).all())
+    assert bool((b["bf16-fp32acc"].worst < b["bf16-fp32acc+rz"].worst).all())
+    rel = (b["float64"].worst / b["float64"].reference.abs().clamp_min(1e-30)).median()
+    assert float(rel) < 1e-10
+
+
+def test_lambda_grows_with_problem_size():
+    small = probe_problem("random", preset("tiny"), 8, seed=1)
+    large = probe_problem("random", preset("tiny"), 256, seed=1)
+    assert problem_bounds(small, "bf16-fp32acc").lam < problem_bounds(large, "bf16-fp32acc").lam
+
+
+# -- argument checking ---------------------------------------------------------------------------
+
+def test_bad_arguments_name_themselves(small_probes):
+    problem = small_probes["random"]
+    with pytest.raises(ValueError, match="precision model"):
+        check_error_bounds(problem.x, problem, "bf16-fp16acc")
+    with pytest.raises(ValueError, match="out must have shape"):
+        check_error_bounds(problem.x[:5], problem, "bf16-fp32acc")
+    with pytest.raises(ValueError, match="models"):
+        compute_error_bounds(problem.x, problem.table, problem.weights, problem.config, [])
+    with pytest.raises(ValueError, match="x must have shape"):
+        compute_error_bounds(problem.x[:, :10], problem.table, problem.weights, problem.config,
+                             ["bf16-plain"])
+    with pytest.raises(ValueError, match="failure_probability"):
+        hoeffding_lambda(10, 1.5)
+    with pytest.raises(ValueError, match="n\\*u < 1"):
+        gamma(2 ** 8, 2.0 ** -8)
+
+
+# -- precision helpers --------------------------------------------------------------------------
+
+def test_precision_helpers():
+    assert gamma(1, 0.25) == pytest.approx(1 / 3)
+    assert gamma_probabilistic(100, 1.0, 2.0 ** -24) < gamma(100, 2.0 ** -24)
+    assert hoeffding_lambda(1, 2 * math.exp(-8)) == pytest.approx(4.0)
+    rz = truncating(BF16)
+    assert rz.unit == 2 * BF16.unit and rz.emin == BF16.emin
+    m = with_truncating_downcasts(precision_model("bf16-plain"))
+    assert m.name == "bf16-plain+rz" and m.round_activation.unit == 2.0 ** -7
+    assert precision_model("bf16-plain+rz") == m
+    fp32_model = precision_model("bf16-fp32acc", torch.float32)
+    assert fp32_model.round_activation == FP32 and fp32_model.round_output == FP32
