@@ -22,7 +22,7 @@ import torch
 
 from .config import MoEConfig
 from .routing import RouteTable, Routes, build_route_table, route
-from .validation import check_tensor
+from .inputs import check_expert_inputs
 from .weights import ExpertWeights
 
 Precision = Literal["float64", "bf16", "fp32acc"]
@@ -50,8 +50,7 @@ def expert_reference(
     matmuls must not use TF32 (``torch.backends.cuda.matmul.allow_tf32`` is False by default).
     """
     H, E, Dh = config.num_heads, config.num_experts, config.head_dim
-    check_tensor("x", x, shape=(table.num_tokens, config.hidden_size))
-    weights.check(config)
+    check_expert_inputs(x, table, weights, config)
     if precision == "float64":
         work, acc_dtype, out_dtype = torch.float64, torch.float64, torch.float64
     elif precision == "bf16":

@@ -22,6 +22,7 @@ import torch
 from .backends import BACKENDS, Backend
 from .config import MoEConfig
 from .routing import RouteTable
+from .validation import check_tensor
 from .weights import ExpertWeights
 
 ForwardFn = Callable[..., torch.Tensor]
@@ -99,6 +100,7 @@ class Implementation:
     def __call__(self, x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
                  config: MoEConfig, *, out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
+            check_tensor("x", x)
             out = torch.empty(x.shape, dtype=self.output_dtype(x.dtype), device=x.device)
         return self.forward(x, table, weights, config, out=out)
 

@@ -181,22 +181,11 @@ def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: in
     S = table.num_tokens if num_tokens is None else num_tokens
     if table.num_tokens != S:
         raise ValueError(f"table.num_tokens is {table.num_tokens}, input has {S} tokens")
-    offsets = table.offsets
-    if int(offsets[0]) != 0 or int(offsets[-1]) != R:
-        raise ValueError(f"table.offsets must start at 0 and end at the route count {R}, "
-                         f"got {int(offsets[0])} .. {int(offsets[-1])}")
-    if HE and bool((offsets[1:] < offsets[:-1]).any()):
-        raise ValueError("table.offsets must be non-decreasing")
+    check_table_bounds(table, HE)
     if R:
         g = table.gather_ids
-        if int(g.min()) < 0 or int(g.max()) >= S:
-            raise ValueError(f"table.gather_ids must lie in [0, {S}), "
-                             f"got values in [{int(g.min())}, {int(g.max())}]")
+        offsets = table.offsets
         slots = table.route_slots
-        n_slots = S * config.num_heads * config.top_k
-        if int(slots.min()) < 0 or int(slots.max()) >= n_slots:
-            raise ValueError(f"table.route_slots must lie in [0, {n_slots}), got values in "
-                             f"[{int(slots.min())}, {int(slots.max())}]")
         if torch.unique(slots).numel() != R:
             raise ValueError("table.route_slots must be distinct: two routes share an output slot")
         bank = torch.repeat_interleave(torch.arange(HE, device=offsets.device), table.counts())
@@ -208,3 +197,34 @@ def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: in
             raise ValueError("table.route_slots disagree with table.gather_ids (token index)")
         if not bool(torch.isfinite(table.sorted_probs).all()):
             raise ValueError("table.sorted_probs must be finite")
+
+
+def check_table_bounds(table: RouteTable, num_banks: int) -> None:
+    """The checks that keep a kernel's memory accesses in bounds: offsets start at 0, never
+    decrease and end at the route count; token indices lie in ``[0, num_tokens)`` and route slots
+    in ``[0, S*H*K)``. One sync."""
+    R, S = table.gather_ids.numel(), table.num_tokens
+    if table.route_slots.numel() != R:
+        raise ValueError(f"table.route_slots must have {R} entries, got {table.route_slots.numel()}")
+    offsets = table.offsets
+    if offsets.numel() != num_banks + 1:
+        raise ValueError(f"table.offsets must have {num_banks + 1} entries, got {offsets.numel()}")
+    if R and table.sorted_probs.numel() != R:
+        raise ValueError(f"table.sorted_probs must have {R} entries, got {table.sorted_probs.numel()}")
+    stats = torch.stack([
+        offsets[0], offsets[-1], (offsets[1:] < offsets[:-1]).sum(),
+        table.gather_ids.min().long() if R else offsets.new_tensor(0),
+        table.gather_ids.max().long() if R else offsets.new_tensor(-1),
+        table.route_slots.min() if R else offsets.new_tensor(0),
+        table.route_slots.max() if R else offsets.new_tensor(-1),
+    ]).tolist()
+    first, last, decreasing, lo, hi, slot_lo, slot_hi = stats
+    if first != 0 or last != R:
+        raise ValueError(f"table.offsets must start at 0 and end at the route count {R}, got {first} .. {last}")
+    if decreasing:
+        raise ValueError("table.offsets must be non-decreasing")
+    if R and (lo < 0 or hi >= S):
+        raise ValueError(f"table.gather_ids must lie in [0, {S}), got values in [{lo}, {hi}]")
+    n_slots = S * table.num_heads * table.top_k
+    if R and (slot_lo < 0 or slot_hi >= n_slots):
+        raise ValueError(f"table.route_slots must lie in [0, {n_slots}), got values in [{slot_lo}, {slot_hi}]")

@@ -14,7 +14,9 @@ from token 699,051 at ``H*Dh = 3072``).
 
 Interpreter traps (SPEC section 8) handled here: ``tl.dot`` on bf16 operands is wrong under
 the interpreter, so ``UPCAST`` converts operands to fp32 first (bf16*bf16 products are exact
-in fp32: only the summation order differs from the tensor cores); atomics are fp32 anyway.
+in fp32: only the summation order differs from the tensor cores); atomics are fp32 anyway; and
+the interpreter's fp32->bf16 conversion truncates, so the activation is rounded by
+``rounding.round_operand`` (see that module).
 """
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ import triton.language as tl
 from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..debug import workspace
+from ..inputs import check_expert_inputs
 from ..routing import RouteTable
-from ..validation import check_same_device, check_tensor
+from ..validation import check_tensor
 from ..weights import ExpertWeights
+from .rounding import round_operand
 
 
 @triton.jit
@@ -105,14 +109,13 @@ def native_expert_kernel(
         g = tl.dot(x_tile, w_g, input_precision=DOT_PRECISION)  # fp32 accumulation over Dh
         u = tl.dot(x_tile, w_u, input_precision=DOT_PRECISION)
         # SwiGLU7 in fp32, rounded once to the weights' dtype as the down-projection operand.
-        a = _swiglu7(g, u).to(w_down_ptr.dtype.element_ty)
+        a = round_operand(_swiglu7(g, u), w_down_ptr.dtype.element_ty, UPCAST)
         w_d = tl.load(
             w_down_bank + n[:, None] * HEAD_DIM + d[None, :],
             mask=n_mask[:, None] & d_mask[None, :],
             other=0.0,
         )
         if UPCAST:
-            a = a.to(tl.float32)
             w_d = w_d.to(tl.float32)
         acc += tl.dot(a, w_d, input_precision=DOT_PRECISION)  # fp32 accumulation over I
 
@@ -139,8 +142,8 @@ class NativeTiles:
 def choose_tiles(config: MoEConfig, device: torch.device) -> NativeTiles:
     """Tiles for this shape and device. The interpreter pays per program and per operation, so it
     gets small row blocks; the GPU gets 64-row blocks (Hopper) with the full head width resident."""
-    if device.type != "cuda":
-        return NativeTiles(block_m=16, block_n=64, num_warps=1, num_stages=1)
+    if device.type != "cuda":  # fewer, larger steps: the interpreter's cost is per operation
+        return NativeTiles(block_m=16, block_n=128, num_warps=1, num_stages=1)
     wide = triton.next_power_of_2(config.head_dim) >= 256
     return NativeTiles(block_m=64, block_n=32 if wide else 64, num_warps=8 if wide else 4,
                        num_stages=2)
@@ -164,22 +167,14 @@ def block_schedule(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, t
 
 def check_native_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
                         config: MoEConfig) -> None:
-    check_tensor("x", x, shape=(table.num_tokens, config.hidden_size),
-                 dtype=(torch.bfloat16, torch.float16, torch.float32))
+    check_expert_inputs(x, table, weights, config,
+                        dtypes=(torch.bfloat16, torch.float16, torch.float32))
     if x.stride(-1) != 1:
         raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
-    weights.check(config)
     for name, w in weights._asdict().items():
         if not w.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    if weights.w_gate.dtype != x.dtype:
-        raise ValueError(f"weights dtype {weights.w_gate.dtype} must match x dtype {x.dtype}")
-    check_tensor("table.gather_ids", table.gather_ids, shape=(None,), dtype=torch.int32)
-    check_tensor("table.sorted_probs", table.sorted_probs, shape=(table.num_routes,),
-                 dtype=torch.float32)
-    check_tensor("table.offsets", table.offsets, shape=(config.num_banks + 1,), dtype=torch.int64)
-    check_same_device(x=x, w_gate=weights.w_gate, gather_ids=table.gather_ids,
-                      sorted_probs=table.sorted_probs, offsets=table.offsets)
+    check_tensor("table.sorted_probs", table.sorted_probs, dtype=torch.float32)
 
 
 def launch_native(x, table: RouteTable, weights: ExpertWeights, config: MoEConfig,

@@ -1,0 +1,109 @@
+"""Every registered implementation against the float64 oracle, on every backend it declares.
+
+Outputs (and kernel workspaces) are NaN-poisoned before each run; inputs are fresh random draws.
+"""
+import functools
+
+import pytest
+import torch
+
+from magi_moe.config import MoEConfig, preset
+from magi_moe.problems import random_problem, routes_to, run_poisoned
+
+from numerics import assert_matches_oracle
+
+pytestmark = pytest.mark.kernels_only
+
+
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "small-softmax"])
+def test_random_problems(impl_backend, name):
+    problem = random_problem(preset(name), 96, seed=hash(name) % 1000, device=impl_backend.device)
+    assert_matches_oracle(run_poisoned(impl_backend.impl, problem), problem, impl_backend.impl)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 127, 128, 129])
+def test_block_boundary_token_counts(impl_backend, num_tokens):
+    cfg = MoEConfig(num_heads=1, head_dim=16, num_experts=2, top_k=1, intermediate_size=32)
+    problem = random_problem(cfg, num_tokens, seed=num_tokens, device=impl_backend.device)
+    out = run_poisoned(impl_backend.impl, problem)
+    assert out.shape == (num_tokens, cfg.hidden_size)
+    assert_matches_oracle(out, problem, impl_backend.impl)
+
+
+def test_all_tokens_on_one_expert(impl_backend):
+    cfg = preset("tiny")
+    S = 200
+    ids = torch.arange(cfg.top_k).expand(S, cfg.num_heads, cfg.top_k)  # every token: experts 0..K-1
+    problem = random_problem(cfg, S, seed=7, device=impl_backend.device)
+    problem = problem.with_routes(routes_to(ids.to(impl_backend.device), cfg, seed=7))
+    assert int(problem.table.counts().max()) == S
+    assert_matches_oracle(run_poisoned(impl_backend.impl, problem), problem, impl_backend.impl)
+
+
+def test_many_empty_experts(impl_backend):
+    cfg = MoEConfig(num_heads=2, head_dim=32, num_experts=64, top_k=2, intermediate_size=48)
+    gen = torch.Generator().manual_seed(3)
+    hot = torch.tensor([5, 17, 60])
+    ids = torch.stack([hot[torch.randperm(3, generator=gen)[:2]] for _ in range(40 * 2)]).view(40, 2, 2)
+    problem = random_problem(cfg, 40, seed=3, device=impl_backend.device)
+    problem = problem.with_routes(routes_to(ids.to(impl_backend.device), cfg, seed=3))
+    assert int((problem.table.counts() == 0).sum()) >= 2 * 64 - 6
+    assert_matches_oracle(run_poisoned(impl_backend.impl, problem), problem, impl_backend.impl)
+
+
+def test_strided_input_rows(impl_backend):
+    """x as a column slice of a wider tensor: row stride != hidden size."""
+    cfg = preset("tiny")
+    problem = random_problem(cfg, 50, seed=9, device=impl_backend.device)
+    wide = torch.randn(50, cfg.hidden_size + 48, device=impl_backend.device).to(problem.x.dtype)
+    wide[:, :cfg.hidden_size] = problem.x
+    strided = type(problem)(cfg, wide[:, :cfg.hidden_size], problem.gate, problem.bias,
+                            problem.weights, problem.routes, problem.table)
+    assert strided.x.stride(0) != cfg.hidden_size
+    assert_matches_oracle(run_poisoned(impl_backend.impl, strided), problem, impl_backend.impl)
+
+
+@functools.lru_cache(maxsize=2)
+def production_problem(device: str):
+    """Drawing 3 x 256 experts' weights takes seconds: draw once per device and session."""
+    return random_problem(preset("magi2-ep4-local"), 2, seed=21, device=device)
+
+
+def test_production_widths_with_few_routed_tokens(impl_backend):
+    """Dh=256, I=1280, 3 x 256 experts, top-6: a handful of tokens keeps the interpreter fast."""
+    problem = production_problem(impl_backend.device)
+    assert_matches_oracle(run_poisoned(impl_backend.impl, problem), problem, impl_backend.impl)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,num_tokens", [("magi2-ep4-local", 4096), ("magi2-full", 4096)])
+def test_full_production_shape_on_gpu(impl_backend, name, num_tokens):
+    if impl_backend.backend.name != "cuda":
+        pytest.skip("production shapes run on the GPU only (SPEC 8: the interpreter takes minutes)")
+    problem = random_problem(preset(name), num_tokens, seed=1, device="cuda")
+    assert_matches_oracle(run_poisoned(impl_backend.impl, problem), problem, impl_backend.impl)
+
+
+@pytest.mark.needs("deterministic")
+def test_deterministic_mode_is_bitwise_repeatable(impl_backend):
+    big = impl_backend.backend.name == "cuda"
+    cfg = preset("magi2-ep4-local" if big else "small")
+    problem = random_problem(cfg, 4096 if big else 64, seed=2, device=impl_backend.device)
+    first = run_poisoned(impl_backend.impl, problem)
+    for _ in range(20 if big else 3):
+        assert torch.equal(run_poisoned(impl_backend.impl, problem), first)
+
+
+def test_fp32_inputs_use_full_fp32_dots(impl_backend):
+    """fp32 operands must not be silently truncated to TF32 on the GPU."""
+    if torch.float32 not in impl_backend.impl.dtypes:
+        pytest.skip(f"{impl_backend.impl.name} does not declare float32")
+    cfg = preset("tiny").replace(dtype=torch.float32)
+    problem = random_problem(cfg, 64, seed=4, device=impl_backend.device)
+    out = run_poisoned(impl_backend.impl, problem)
+    from magi_moe.reference import expert_reference
+    from magi_moe.problems import relative_l2
+    ref = expert_reference(problem.x, problem.table, problem.weights, cfg)
+    assert relative_l2(out, ref) < 1e-5  # TF32 (10-bit mantissa) would give ~1e-3

@@ -1,0 +1,93 @@
+"""Error inputs, declared OpInfo-style as (how to break the input, exception, message pattern),
+run against every implementation on every backend: each must raise a clear error naming the
+argument, and none may crash the process or the GPU."""
+import dataclasses
+
+import pytest
+import torch
+
+from magi_moe.config import preset
+from magi_moe.problems import random_problem
+from magi_moe.routing import validate_route_table
+from magi_moe.weights import ExpertWeights
+
+pytestmark = pytest.mark.kernels_only
+
+
+def _table(p, **changes):
+    return dataclasses.replace(p.table, **changes)
+
+
+def _weights(p, **changes):
+    return p.weights._replace(**changes)
+
+
+# (id, make bad (x, table, weights) from a valid problem, exception, message pattern)
+ERROR_INPUTS = [
+    ("x-rank-3", lambda p: (p.x[None], p.table, p.weights), ValueError, "x must have rank 2"),
+    ("x-width", lambda p: (p.x[:, :-16], p.table, p.weights), ValueError, r"x must have shape \[12, 64\]"),
+    ("x-tokens", lambda p: (p.x[:-1], p.table, p.weights), ValueError, r"x must have shape \[12, 64\]"),
+    ("x-int", lambda p: (p.x.to(torch.int32), p.table, p.weights), ValueError, "x must have dtype"),
+    ("x-not-tensor", lambda p: (p.x.tolist(), p.table, p.weights), TypeError, "x must be a torch.Tensor"),
+    ("w_up-shape", lambda p: (p.x, p.table, _weights(p, w_up=p.weights.w_up[:, :, :-16])),
+     ValueError, r"w_up must have shape \[16, 32, 64\]"),
+    ("w_down-dtype", lambda p: (p.x, p.table, _weights(p, w_down=p.weights.w_down.half())),
+     ValueError, "w_down must have dtype bfloat16"),
+    ("gather-out-of-range", lambda p: (p.x, _table(p, gather_ids=p.table.gather_ids + 5), p.weights),
+     ValueError, r"table.gather_ids must lie in \[0, 12\)"),
+    ("gather-negative", lambda p: (p.x, _table(p, gather_ids=p.table.gather_ids - 100), p.weights),
+     ValueError, r"table.gather_ids must lie in \[0, 12\)"),
+    ("offsets-end", lambda p: (p.x, _table(p, offsets=p.table.offsets * 2), p.weights),
+     ValueError, "table.offsets must start at 0 and end at the route count 48"),
+    ("offsets-decreasing", lambda p: (p.x, _table(p, offsets=_swap_offsets(p.table.offsets)), p.weights),
+     ValueError, "table.offsets must be non-decreasing"),
+    ("slots-out-of-range", lambda p: (p.x, _table(p, route_slots=p.table.route_slots + 1000), p.weights),
+     ValueError, r"table.route_slots must lie in \[0, 48\)"),
+    ("offsets-int32", lambda p: (p.x, _table(p, offsets=p.table.offsets.int()), p.weights),
+     ValueError, "table.offsets must have dtype int64"),
+    ("probs-length", lambda p: (p.x, _table(p, sorted_probs=p.table.sorted_probs[:-1]), p.weights),
+     ValueError, "sorted_probs must have"),
+]
+
+
+def _swap_offsets(offsets):
+    bad = offsets.clone()
+    nonzero = torch.nonzero(bad[1:-1] > 0).flatten()
+    i = int(nonzero[0]) + 1
+    bad[i] = bad[-1]  # jump up then down again
+    return bad
+
+
+@pytest.mark.parametrize("make_bad,exc,pattern", [pytest.param(*e[1:], id=e[0]) for e in ERROR_INPUTS])
+def test_bad_inputs_raise_clear_errors(impl_backend, make_bad, exc, pattern):
+    problem = random_problem(preset("tiny"), 12, seed=0, device=impl_backend.device)
+    x, table, weights = make_bad(problem)
+    with pytest.raises(exc, match=pattern):
+        impl_backend.impl(x, table, weights, problem.config)
+
+
+def test_mismatched_devices_are_named(impl_backend):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a second device")
+    problem = random_problem(preset("tiny"), 12, seed=0, device=impl_backend.device)
+    other = "cpu" if impl_backend.device == "cuda" else "cuda"
+    with pytest.raises(ValueError, match="one device"):
+        impl_backend.impl(problem.x, problem.table, problem.weights.to(other), problem.config)
+
+
+def test_full_table_validation_catches_inconsistent_hand_built_tables():
+    cfg = preset("tiny")
+    p = random_problem(cfg, 12, seed=0)
+    validate_route_table(p.table, cfg)
+    duplicated = p.table.route_slots.clone()
+    duplicated[1] = duplicated[0]
+    with pytest.raises(ValueError, match="route_slots must be distinct"):
+        validate_route_table(_table(p, route_slots=duplicated), cfg)
+    with pytest.raises(ValueError, match="disagree with table.gather_ids"):
+        validate_route_table(_table(p, gather_ids=p.table.gather_ids.flip(0)), cfg)
+    probs = p.table.sorted_probs.clone()
+    probs[0] = float("inf")
+    with pytest.raises(ValueError, match="sorted_probs must be finite"):
+        validate_route_table(_table(p, sorted_probs=probs), cfg)
+    with pytest.raises(ValueError, match="table was built for"):
+        validate_route_table(p.table, cfg.replace(top_k=3))

@@ -1,0 +1,122 @@
+"""The nn.Module: checkpoint names and shapes, loading, bias sources, dispatch, validation."""
+import pytest
+import torch
+
+from magi_moe import MagiMoE, preset
+from magi_moe.dispatch import choose_implementation
+from magi_moe.problems import relative_l2
+from magi_moe.reference import layer_reference
+from magi_moe.weights import ExpertWeights
+
+
+def released_layout(cfg):
+    HE, Dh, I = cfg.num_banks, cfg.head_dim, cfg.intermediate_size
+    return {"gate": (HE, Dh), "W_gate": (HE, Dh, I), "W_up": (HE, Dh, I), "W_down": (HE, I, Dh),
+            "router.expert_bias": (HE,), "router.expert_bias_ema": (HE,)}
+
+
+@pytest.mark.parametrize("name", ["tiny", "magi2-ep4-local"])
+def test_parameter_names_shapes_and_dtypes_follow_the_checkpoint_layout(name):
+    cfg = preset(name)
+    layer = MagiMoE(cfg, device="meta")
+    sd = layer.state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == released_layout(cfg)
+    assert sd["gate"].dtype == torch.float32 and sd["router.expert_bias"].dtype == torch.float32
+    assert sd["W_gate"].dtype == sd["W_down"].dtype == cfg.dtype
+
+
+def random_checkpoint(cfg, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = released_layout(cfg)
+    sd = {k: torch.randn(*s, generator=gen) for k, s in shapes.items()}
+    sd["gate"] *= 0.25
+    sd["router.expert_bias"] *= 0.05
+    sd["router.expert_bias_ema"] *= 0.05
+    for k in ("W_gate", "W_up", "W_down"):
+        sd[k] = (sd[k] * 0.02).to(cfg.dtype)
+    return sd
+
+
+def test_from_state_dict_loads_the_released_layout_and_matches_the_oracle():
+    cfg = preset("tiny")
+    sd = random_checkpoint(cfg)
+    layer = MagiMoE.from_state_dict(sd, cfg)
+    for k, v in sd.items():
+        assert torch.equal(layer.state_dict()[k], v)
+    x = torch.randn(40, cfg.hidden_size).bfloat16()
+    y = layer(x)
+    weights = ExpertWeights(sd["W_gate"], sd["W_up"], sd["W_down"])
+    ref, _ = layer_reference(x, sd["gate"], sd["router.expert_bias_ema"], weights, cfg,
+                             router_dtype=torch.float32)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert relative_l2(y, ref) < 1e-2
+
+
+@pytest.mark.parametrize("source", ["expert_bias_ema", "expert_bias", "none"])
+def test_bias_source_chooses_which_bias_routes(source):
+    cfg = preset("tiny")
+    sd = random_checkpoint(cfg)
+    # Opposite large biases: each source forces a different expert to the top.
+    sd["router.expert_bias"] = torch.zeros(cfg.num_banks)
+    sd["router.expert_bias"][0::cfg.num_experts] = 5.0
+    sd["router.expert_bias_ema"] = torch.zeros(cfg.num_banks)
+    sd["router.expert_bias_ema"][1::cfg.num_experts] = 5.0
+    layer = MagiMoE.from_state_dict(sd, cfg, bias_source=source)
+    bias = layer.selection_bias
+    if source == "none":
+        assert bias is None
+    else:
+        assert torch.equal(bias, sd[f"router.{source}"])
+
+
+def test_from_state_dict_names_missing_unexpected_and_misshapen_keys():
+    cfg = preset("tiny")
+    sd = random_checkpoint(cfg)
+    with pytest.raises(ValueError, match=r"missing \['W_up'\]"):
+        MagiMoE.from_state_dict({k: v for k, v in sd.items() if k != "W_up"}, cfg)
+    with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
+        MagiMoE.from_state_dict({**sd, "extra": torch.zeros(1)}, cfg)
+    with pytest.raises(ValueError, match=r"state_dict\['W_down'\] must have shape \[16, 64, 32\]"):
+        MagiMoE.from_state_dict({**sd, "W_down": sd["W_down"].transpose(1, 2)}, cfg)
+
+
+@pytest.mark.parametrize("key", ["gate", "router.expert_bias", "router.expert_bias_ema"])
+def test_non_finite_router_weights_are_rejected_at_load(key):
+    cfg = preset("tiny")
+    sd = random_checkpoint(cfg)
+    sd[key] = sd[key].clone()
+    sd[key].view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match=rf"state_dict\['{key}'\] must be finite"):
+        MagiMoE.from_state_dict(sd, cfg)
+
+
+def test_forward_rejects_bad_input():
+    cfg = preset("tiny")
+    layer = MagiMoE(cfg)
+    with pytest.raises(ValueError, match="x must have rank 2"):
+        layer(torch.randn(2, 3, cfg.hidden_size).bfloat16())
+    with pytest.raises(ValueError, match=r"x must have shape \[\*, 64\]"):
+        layer(torch.randn(4, 32).bfloat16())
+    with pytest.raises(ValueError, match="x must have dtype bfloat16, got float32"):
+        layer(torch.randn(4, cfg.hidden_size))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        layer([[0.0] * cfg.hidden_size])
+
+
+def test_layer_rejects_unknown_bias_source_and_implementation():
+    with pytest.raises(ValueError, match="bias_source must be one of"):
+        MagiMoE(preset("tiny"), bias_source="ema")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        MagiMoE(preset("tiny"), impl="fastest")
+
+
+def test_dispatch_policy():
+    from magi_moe.backends import interpreter_enabled, triton_installed
+    cpu = torch.device("cpu")
+    kernels_on_cpu = interpreter_enabled() and triton_installed()
+    assert choose_implementation(cpu, torch.bfloat16).name == ("native" if kernels_on_cpu else "reference")
+    assert choose_implementation(cpu, torch.bfloat16, deterministic=True).name == (
+        "native-det" if kernels_on_cpu else "reference")
+    assert choose_implementation(cpu, torch.float64).name == "reference"
+    if torch.cuda.is_available() and triton_installed() and not interpreter_enabled():
+        assert choose_implementation(torch.device("cuda"), torch.bfloat16).name == "native"
