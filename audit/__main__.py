@@ -76,9 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         if name not in PROBES:
             print(f"--probe must be one of {PROBES}, got {name!r}", file=sys.stderr)
             return 2
-    threads = torch.get_num_threads()
-    if args.threads or args.backend != "cuda":
-        torch.set_num_threads(args.threads or 1)
+    try:
+        for name in args.impl:
+            get_implementation(name)
+    except ValueError as exc:
+        print(f"--impl: {exc}", file=sys.stderr)
+        return 2
     options = AuditOptions(
         backend=args.backend, impls=args.impl, presets=args.preset, tokens=args.tokens,
         seed=args.seed, out=args.out, probes=tuple(args.probe) or PROBES,
@@ -89,12 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"backend {args.backend} unavailable: {audit.backend.unavailable_reason()}",
               file=sys.stderr)
         return 2
-    try:
-        for name in args.impl:
-            get_implementation(name)
-    except ValueError as exc:
-        print(f"--impl: {exc}", file=sys.stderr)
-        return 2
+    threads = torch.get_num_threads()
+    if args.threads or args.backend != "cuda":
+        torch.set_num_threads(args.threads or 1)
     try:
         return audit.run()
     finally:

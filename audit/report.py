@@ -71,7 +71,7 @@ class Row:
 class Audit:
     """Runs the sections, prints progress, keeps every row for the report files."""
 
-    def __init__(self, options: AuditOptions, stream=sys.stdout):
+    def __init__(self, options: AuditOptions, stream=None):
         self.options = options
         self.backend: Backend = get_backend(options.backend)
         self.device = torch.device(self.backend.device)
@@ -82,7 +82,7 @@ class Audit:
 
     # -- output ------------------------------------------------------------------------------
     def say(self, text: str) -> None:
-        print(text, file=self.stream, flush=True)
+        print(text, file=self.stream or sys.stdout, flush=True)
 
     def add(self, section: str, subject: str, status: str, result: str,
             data: dict | None = None) -> Row:

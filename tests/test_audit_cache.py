@@ -1,0 +1,109 @@
+"""The weight-cache auditor proven on toys: a cache keyed on (id, data_ptr, _version) is caught
+serving stale weights after ``param.data.copy_`` and crashing on inference tensors; a cache that
+repacks every call is caught; a content-checking cache passes every route. Then the real fused
+layer, where it runs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from audit.cache import (DETECTED, NEEDS_INVALIDATE, ROUTES, UNSUPPORTED, audit_weight_cache)
+from magi_moe.backends import get_backend
+from magi_moe.config import preset
+from magi_moe.layer import MagiMoE
+from magi_moe.registry import get_implementation
+from tests.audit_broken import correct_cache_layer, repacking_cache_layer, stale_cache_layer
+
+TINY = preset("tiny")
+
+
+@pytest.fixture(autouse=True)
+def single_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_stale_identity_key_is_caught():
+    report = audit_weight_cache(lambda: stale_cache_layer(TINY), label="stale")
+    assert report.has_cache and not report.ok
+    by_route = report.by_route()
+    assert by_route["param_data_copy"] == NEEDS_INVALIDATE   # SPEC 5: key unchanged
+    assert by_route["inference_mode"] == UNSUPPORTED         # _version raises
+    for route in ("in_place", "copy_no_grad", "load_state_dict", "param_data_assign",
+                  "new_storage", "to_dtype"):
+        assert by_route[route] == DETECTED, (route, report.summary())
+    stale = [r for r in report.results if r.route == "param_data_copy"]
+    assert all(not r.ok and "stale" in r.detail for r in stale)
+    assert all(r.repacks_without_change == 0 for r in report.results)
+
+
+def test_promised_invalidation_is_accepted():
+    def layer():
+        model = stale_cache_layer(TINY)
+        model.weight_cache.promises = {"param_data_copy": NEEDS_INVALIDATE}
+        return model
+
+    report = audit_weight_cache(layer, routes=("param_data_copy",), parameters=("W_up",))
+    assert report.ok, report.summary()
+    assert report.results[0].status == NEEDS_INVALIDATE
+
+
+def test_content_key_passes_every_route():
+    seen = []
+    report = audit_weight_cache(lambda: correct_cache_layer(TINY), label="contents",
+                                on_result=seen.append)
+    assert report.ok, report.summary()
+    assert seen == report.results
+    assert {r.route for r in report.results} == set(ROUTES)
+    assert all(r.repacks_after_change == 1 for r in report.results if r.status == DETECTED)
+
+
+def test_repack_on_every_call_is_caught():
+    report = audit_weight_cache(lambda: repacking_cache_layer(TINY), routes=("in_place",),
+                                parameters=("W_gate",))
+    assert not report.ok
+    assert report.results[0].status == DETECTED and report.results[0].repacks_without_change > 0
+
+
+def test_layer_without_cache():
+    report = audit_weight_cache(lambda: MagiMoE(TINY, impl="reference"))
+    assert not report.has_cache and report.ok and "no weight cache" in report.summary()
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="routes must be among"):
+        audit_weight_cache(lambda: correct_cache_layer(TINY), routes=("reload",))
+    with pytest.raises(ValueError, match="parameters must be"):
+        audit_weight_cache(lambda: correct_cache_layer(TINY), parameters=("gate",))
+
+
+def _fused_or_skip(backend: str):
+    why = get_backend(backend).unavailable_reason()
+    if why:
+        pytest.skip(f"backend {backend} unavailable: {why}")
+    try:
+        return get_implementation("fused")
+    except ValueError:
+        pytest.skip("no 'fused' implementation registered")
+
+
+@pytest.mark.interpret
+def test_fused_layer_under_interpreter():
+    """The routes a key-based cache gets wrong, on the real fused layer (a subset: interpreted
+    kernels are slow; python -m audit runs them all)."""
+    fused = _fused_or_skip("interpret")
+    report = audit_weight_cache(lambda: MagiMoE(TINY, impl=fused), label="fused",
+                                routes=("param_data_copy", "param_data_assign"),
+                                parameters=("W_up",))
+    assert report.ok, report.summary()
+
+
+@pytest.mark.cuda
+def test_fused_layer_on_gpu(cuda_device):
+    fused = _fused_or_skip("cuda")
+    report = audit_weight_cache(lambda: MagiMoE(preset("small"), impl=fused, device=cuda_device),
+                                label="fused")
+    assert report.ok, report.summary()
+    assert report.by_route()["to_device"] == DETECTED

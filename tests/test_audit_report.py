@@ -1,0 +1,81 @@
+"""``python -m audit`` end to end at a tiny size: exit status, files, and a broken
+implementation named on the command line turning the run red."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from audit.__main__ import main
+from magi_moe import registry
+
+FAST = ["--preset", "tiny", "--tokens", "24", "--probe", "random", "--probe", "cancel-up",
+        "--no-mpcheck", "--runs", "2"]
+
+
+@pytest.fixture(autouse=True)
+def keep_global_state():
+    """main() restores the thread count itself; implementations it loads by
+    ``package.module:attr`` stay registered, so the registry is restored here."""
+    threads = torch.get_num_threads()
+    registry._register_builtins()
+    saved = dict(registry._REGISTRY)
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+    assert torch.get_num_threads() == threads
+
+
+def test_default_run_writes_the_report(tmp_path, capsys):
+    # Not the fused layer: its cache audit under the interpreter takes ~30 s (test_audit_cache
+    # covers it); native-det brings a kernel into the run when TRITON_INTERPRET=1.
+    impls = ["--impl", "reference", "--impl", "torch-bf16", "--impl", "native-det"]
+    assert main(FAST + impls + ["--out", str(tmp_path), "--no-controls"]) == 0
+    printed = capsys.readouterr().out
+    assert "PASSED" in printed and "section" in printed
+    for name in ("report.md", "report.json", "error_ratio_hist.png", "error_vs_bound.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["ok"] is True and data["meta"]["presets"] == ["tiny"]
+    sections = {row["section"] for row in data["rows"]}
+    assert {"selfcheck", "bounds", "determinism", "cache", "discipline"} <= sections
+    bounds = [r for r in data["rows"] if r["section"] == "bounds" and r["status"] == "pass"]
+    assert any(r["subject"].startswith("torch-bf16") for r in bounds)
+    assert "## bounds" in (tmp_path / "report.md").read_text()
+
+
+def test_controls_are_flagged(tmp_path):
+    assert main(FAST + ["--out", str(tmp_path), "--impl", "reference"]) == 0
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    controls = [r for r in rows if r["section"] == "controls"]
+    assert len(controls) == 4 and all(r["status"] == "pass" for r in controls)
+    assert all("flagged" in r["result"] for r in controls if "control-" in r["subject"])
+
+
+def test_broken_implementation_fails_the_run(tmp_path, capsys):
+    code = main(FAST + ["--out", str(tmp_path), "--no-controls",
+                        "--impl", "tests.audit_broken:BF16_DOWN_ACCUMULATION"])
+    assert code == 1
+    assert "FAILED" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert any(r["status"] == "FAIL" and r["subject"].startswith("broken-bf16-down") for r in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "huge"], "--preset must be one of"),
+    (["--probe", "ones"], "--probe must be one of"),
+    (["--impl", "no-such-impl"], "--impl"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys, tmp_path):
+    assert main(argv + ["--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_argparse_errors(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--backend", "rocm"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--tokens", "0"])
+    assert "--tokens must be >= 1" in capsys.readouterr().err
