@@ -365,7 +365,7 @@ class BoundReport:
 def _quantiles(ratio: torch.Tensor) -> dict[str, float]:
     flat = ratio.flatten()
     if flat.numel() > 4_000_000:  # sort a fixed random subsample; the max is taken exactly
-        idx = torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(0))[:4_000_000]
+        idx = torch.randint(flat.numel(), (4_000_000,), generator=torch.Generator().manual_seed(0))
         flat = flat[idx.to(flat.device)]
     ordered = flat.sort().values
     n = ordered.numel()
@@ -396,7 +396,8 @@ def evaluate_bounds(out: torch.Tensor, bounds: ErrorBounds, *, label: str = "") 
     diff_norm = float(err_f.norm()) if nonfinite == 0 else math.inf
     gen = torch.Generator().manual_seed(1)
     n = err.numel()
-    pick = torch.randperm(n, generator=gen)[:SAMPLE_SIZE].to(err.device)
+    pick = (torch.randperm(n, generator=gen) if n <= SAMPLE_SIZE else
+            torch.randint(n, (SAMPLE_SIZE,), generator=gen)).to(err.device)
     return BoundReport(
         label=label,
         model=bounds.model.name,

@@ -25,7 +25,7 @@ import mpmath
 import torch
 
 from magi_moe.config import MoEConfig
-from magi_moe.problems import Problem, random_problem
+from magi_moe.problems import Problem
 from magi_moe.reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 
 from .bounds import (EVAL_ARG, EVAL_OPS, EVAL_UNDERFLOW, F1_MAX, F2_MAX, MODEL_FLOAT64,
