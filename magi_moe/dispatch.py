@@ -2,11 +2,15 @@
 
 1. Plain CPU tensors without the Triton interpreter: ``reference`` (the float64 oracle, rounded
    to the input dtype) -- there is no compiled kernel to run.
-2. CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``: the native Triton kernel;
-   ``native-det`` when deterministic mode is asked for, else ``native``.
-3. Dtypes the kernels do not declare (float64): ``reference``.
-
-The fused path will join this policy with its own measured thresholds.
+2. Dtypes the fused path does not declare (it takes bf16 and fp16): ``native`` (``native-det``
+   in deterministic mode) for fp32; ``reference`` for float64.
+3. Inside ``torch.compile`` tracing: ``native`` / ``native-det``. The fused layer path keeps
+   Python-side state that dynamo should not trace (the packed-weight cache repoints parameters on
+   a swap; workspaces grow on first use), so it stays outside compiled graphs.
+4. Otherwise -- CUDA, or CPU with ``TRITON_INTERPRET=1``, bf16/fp16 -- ``fused``, at every token
+   count and in deterministic mode too: it has no atomics, so it is bitwise reproducible at no
+   extra cost. No token-count threshold unless ``python -m magi_moe.benchmark`` shows native
+   winning somewhere (NOTES-perf.md holds the measurements this rests on).
 """
 from __future__ import annotations
 
@@ -15,11 +19,21 @@ import torch
 from .backends import interpreter_enabled, triton_installed
 from .registry import Implementation, get_implementation
 
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and getattr(compiler, "is_compiling", lambda: False)())
+
 
 def choose_implementation(device: torch.device, dtype: torch.dtype, *,
                           deterministic: bool = False) -> Implementation:
     kernels_run_here = triton_installed() and (
         device.type == "cuda" or (device.type == "cpu" and interpreter_enabled()))
-    if kernels_run_here and dtype in (torch.bfloat16, torch.float16, torch.float32):
-        return get_implementation("native-det" if deterministic else "native")
-    return get_implementation("reference")
+    if not kernels_run_here or dtype not in KERNEL_DTYPES:
+        return get_implementation("reference")
+    if dtype in FUSED_DTYPES and not _compiling():
+        return get_implementation("fused")
+    return get_implementation("native-det" if deterministic else "native")

@@ -26,6 +26,11 @@ def _native(deterministic: bool):
     return forward
 
 
+def _fused(x, table, weights, config, *, out):
+    from .kernels.fused import fused_forward  # Triton imported only when used
+    return fused_forward(x, table, weights, config, out=out)
+
+
 register(Implementation(
     "reference", _reference, ALL_BACKENDS, "float64", dtypes=FLOAT_DTYPES,
     capabilities={"int64_offsets"},
@@ -42,3 +47,8 @@ register(Implementation(
     "native-det", _native(True), TRITON_BACKENDS, "bf16-fp32acc", dtypes=FLOAT_DTYPES,
     capabilities={"int64_offsets", "deterministic"},
     description="the native kernel storing per-route rows, reduced over top-k in a fixed order"))
+register(Implementation(
+    "fused", _fused, TRITON_BACKENDS, "bf16-fp32acc", dtypes=(torch.bfloat16, torch.float16),
+    capabilities={"deterministic", "int64_offsets", "weight_cache", "no_host_sync"},
+    description="fused BF16 path: grouped gate/up + down GEMMs over padded per-expert blocks, "
+                "fp32 top-k sum without atomics, device-built block schedule"))

@@ -8,6 +8,7 @@ from torch import nn
 
 from .config import MoEConfig
 from .dispatch import choose_implementation
+from .packed_weights import PackedWeightCache
 from .registry import Implementation, get_implementation
 from .routing import build_route_table, route
 from .validation import check_finite, check_tensor
@@ -34,6 +35,11 @@ class MagiMoE(nn.Module):
     ``router.expert_bias_ema`` ``[H*E]`` fp32. ``bias_source`` picks the selection bias:
     ``expert_bias_ema`` (vLLM-Omni's default), ``expert_bias`` (SandAI's original) or ``none``.
     ``impl`` forces an implementation by name; by default :mod:`magi_moe.dispatch` chooses.
+
+    ``weight_cache``: the :class:`~magi_moe.packed_weights.PackedWeightCache` that packs
+    ``W_gate``/``W_up`` into one bank for the fused path (its docstring says what it promises),
+    or None when the forced implementation keeps no cache. With ``impl="fused"`` the weights are
+    packed at construction, so aliases taken afterwards stay aliases of the parameters.
     """
 
     def __init__(self, config: MoEConfig, *, bias_source: BiasSource = "expert_bias_ema",
@@ -54,6 +60,15 @@ class MagiMoE(nn.Module):
         self.W_down = empty(HE, I, Dh, dtype=config.dtype)
         self.router = Router(HE, device=device)
         self.reset_parameters()
+        keeps_cache = self.impl is None or "weight_cache" in self.impl.capabilities
+        self.weight_cache = PackedWeightCache() if keeps_cache else None
+        if self.impl is not None and self.impl.name == "fused":
+            self.weight_cache.ensure(self.W_gate, self.W_up)
+
+    def invalidate_weight_cache(self) -> None:
+        """Make the next fused forward repack ``W_gate``/``W_up`` (see PackedWeightCache)."""
+        if self.weight_cache is not None:
+            self.weight_cache.invalidate()
 
     @torch.no_grad()
     def reset_parameters(self, weight_std: float = 0.02, gate_std: float = 0.25) -> None:
@@ -101,12 +116,29 @@ class MagiMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         check_tensor("x", x, shape=(None, cfg.hidden_size), dtype=cfg.dtype, device=self.W_gate.device)
+        impl = self.implementation(x)
+        if impl.name == "fused" and self.weight_cache is not None:
+            return self._fused_forward(x)
         routes = route(x, self.gate, self.selection_bias, cfg)
         table = build_route_table(routes, cfg)
-        impl = self.implementation(x)
+        weights = self.expert_weights()
+        if impl.name.startswith("native") and not all(w.is_contiguous() for w in weights):
+            # gate/up are views into the fused path's bank; the native kernel needs dense
+            # weights, so this (rare: forced impl, torch.compile) path pays a copy per call.
+            weights = ExpertWeights(*(w.contiguous() for w in weights))
         with torch.no_grad():
-            y = impl(x, table, self.expert_weights(), cfg)
+            y = impl(x, table, weights, cfg)
         return y.to(x.dtype)
+
+    @torch.no_grad()
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Fused routing + fused experts on the packed bank: no host sync, no workspace
+        allocation once warm (the output is the one allocation per call)."""
+        from .kernels.fused_routing import fused_layer_forward  # Triton imported only when used
+
+        self.weight_cache.ensure(self.W_gate, self.W_up)
+        return fused_layer_forward(x, self.gate, self.selection_bias, self.expert_weights(),
+                                   self.config)
 
     def extra_repr(self) -> str:
         return f"{self.config.describe()}, bias_source={self.bias_source}, deterministic={self.deterministic}"

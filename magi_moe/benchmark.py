@@ -1,0 +1,503 @@
+"""``python -m magi_moe.benchmark``: the expert paths timed side by side, with their floors.
+
+For every case (heads x tokens; the four cases of ANCHORS.md with ``--anchors``) this draws a
+problem as :func:`magi_moe.problems.random_problem` does (x N(0,1), router N(0, 0.25^2),
+selection bias N(0, 0.05^2), weights N(0, 0.02^2); drawn on the device so that 12 x 256 experts
+take milliseconds), checks every path against the float64 reference on the same routes, and
+only then times them:
+
+* CUDA events around each call; the L2 cache flushed before every call by zeroing a buffer of
+  ``--flush-mib`` (>= 256 MiB; the H200's L2 is 60 MB); paths alternated inside every iteration
+  (the order rotating), so clock drift and thermal state hit them alike;
+* median and p90 over ``--iters`` per round, the best round's median reported;
+* bytes and FLOPs with ANCHORS.md's floors: memory = weights of the experts that received a
+  route + x + y over 4281 GB/s; compute = routes * (2*Dh*I*2 + 2*I*Dh) over 793 TFLOP/s.
+
+Paths: ``native``, ``native-det`` (the native kernel, atomic / deterministic), ``fused`` (kernel
+level: routes precomputed, weights packed, workspace warm), ``fused-layer`` and ``native-layer``
+(``MagiMoE.forward``: routing included), ``routing`` (torch router + CSR sort) and
+``fused-routing``, ``torch-bf16`` (the plain per-expert loop; slow).
+
+``--sweep`` times the fused kernels' tile candidates per case and writes the winners into
+``magi_moe/kernels/tiles/fused.json`` through the function the loader reads.
+
+``--json PATH`` writes everything measured. With ``--device cpu`` (and ``TRITON_INTERPRET=1``
+for the kernel paths) it runs small cases with host timers, as a smoke test of the harness.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .config import MoEConfig, preset
+from .problems import Problem, random_problem, relative_l2
+from .reference import expert_reference
+from .routing import build_route_table, route
+from .weights import ExpertWeights
+
+COPY_GBPS = 4281.0      # ANCHORS.md: device-to-device copy on the H200, bytes read + written
+MATMUL_TFLOPS = 793.0   # ANCHORS.md: 8192^3 bf16 matmul on the H200
+ANCHOR_CASES = ((3, 512), (3, 4096), (3, 16384), (12, 4096))
+EXPERT_PATHS = ("native", "native-det", "fused", "torch-bf16")
+LAYER_PATHS = ("fused-layer", "native-layer")
+ROUTING_PATHS = ("routing", "fused-routing")
+ALL_PATHS = EXPERT_PATHS + LAYER_PATHS + ROUTING_PATHS
+DEFAULT_PATHS = ("native", "native-det", "fused", "fused-layer")
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    heads: int
+    tokens: int
+    experts: int = 256
+    top_k: int = 6
+    head_dim: int = 256
+    inter: int = 1280
+    seed: int = 0
+
+    def config(self) -> MoEConfig:
+        return preset("magi2-full").replace(num_heads=self.heads, num_experts=self.experts,
+                                            top_k=self.top_k, head_dim=self.head_dim,
+                                            intermediate_size=self.inter)
+
+    @property
+    def label(self) -> str:
+        return f"H={self.heads},S={self.tokens}"
+
+
+def draw_problem(case: BenchCase, device: torch.device) -> Problem:
+    """random_problem's distributions, drawn on ``device`` (CPU draws go through random_problem)."""
+    cfg = case.config()
+    if device.type != "cuda":
+        return random_problem(cfg, case.tokens, seed=case.seed, device=device)
+    gen = torch.Generator(device=device).manual_seed(case.seed)
+
+    def randn(*shape, std=1.0, dtype=torch.float32):
+        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype)
+
+    HE, Dh, I = cfg.num_banks, cfg.head_dim, cfg.intermediate_size
+    x = randn(case.tokens, cfg.hidden_size, dtype=cfg.dtype)
+    gate = randn(HE, Dh, std=0.25)
+    bias = randn(HE, std=0.05)
+    weights = ExpertWeights(randn(HE, Dh, I, std=0.02, dtype=cfg.dtype),
+                            randn(HE, Dh, I, std=0.02, dtype=cfg.dtype),
+                            randn(HE, I, Dh, std=0.02, dtype=cfg.dtype))
+    routes = route(x, gate, bias, cfg)
+    return Problem(cfg, x, gate, bias, weights, routes, build_route_table(routes, cfg))
+
+
+def floors(problem: Problem) -> dict:
+    """ANCHORS.md's floors for this problem (synchronises: call before timing)."""
+    cfg = problem.config
+    counts = problem.table.counts()
+    routed_banks = int((counts > 0).sum())
+    R = problem.table.num_routes
+    Dh, I = cfg.head_dim, cfg.intermediate_size
+    elem = torch.finfo(cfg.dtype).bits // 8
+    weight_bytes = routed_banks * 3 * Dh * I * elem
+    io_bytes = 2 * problem.x.numel() * elem
+    flops = R * (2 * Dh * I * 2 + 2 * I * Dh)
+    mem_ms = (weight_bytes + io_bytes) / (COPY_GBPS * 1e9) * 1e3
+    compute_ms = flops / (MATMUL_TFLOPS * 1e12) * 1e3
+    return {"routes": R, "routed_banks": routed_banks, "banks": cfg.num_banks,
+            "max_routes_per_bank": int(counts.max()) if counts.numel() else 0,
+            "bytes": weight_bytes + io_bytes, "flops": flops,
+            "memory_floor_ms": mem_ms, "compute_floor_ms": compute_ms,
+            "floor_ms": max(mem_ms, compute_ms)}
+
+
+# ---------------------------------------------------------------------------------------------
+# paths
+# ---------------------------------------------------------------------------------------------
+def _layer(problem: Problem, impl: str):
+    from .layer import MagiMoE
+
+    cfg = problem.config
+    layer = MagiMoE(cfg, impl=impl, device=problem.x.device)
+    with torch.no_grad():
+        layer.gate.copy_(problem.gate)
+        layer.W_gate.copy_(problem.weights.w_gate)   # writes the packed bank for impl="fused"
+        layer.W_up.copy_(problem.weights.w_up)
+        layer.W_down.copy_(problem.weights.w_down)
+        layer.router.expert_bias_ema.copy_(problem.bias)
+    return layer
+
+
+def make_paths(problem: Problem, names: tuple[str, ...]) -> dict[str, Callable[[], torch.Tensor]]:
+    """One zero-argument callable per path, all state (outputs, packed weights, layers) built
+    here so that the timed call does only the path's own work."""
+    from .kernels.fused import fused_forward
+    from .kernels.fused_routing import fused_route
+    from .kernels.native import native_forward
+    from .packed_weights import pack_expert_weights
+
+    p, cfg = problem, problem.config
+    x, table = p.x, p.table
+    out = torch.empty_like(x)
+    fns: dict[str, Callable[[], torch.Tensor]] = {}
+    for name in names:
+        if name == "native":
+            fns[name] = lambda: native_forward(x, table, p.weights, cfg, out=out)
+        elif name == "native-det":
+            fns[name] = lambda: native_forward(x, table, p.weights, cfg, deterministic=True, out=out)
+        elif name == "fused":
+            packed = pack_expert_weights(p.weights)
+            fns[name] = lambda packed=packed: fused_forward(x, table, packed, cfg, out=out)
+        elif name == "torch-bf16":
+            fns[name] = lambda: expert_reference(x, table, p.weights, cfg, precision="bf16")
+        elif name in LAYER_PATHS:
+            layer = _layer(p, "fused" if name == "fused-layer" else "native")
+            fns[name] = lambda layer=layer: layer(x)
+        elif name == "routing":
+            fns[name] = lambda: build_route_table(route(x, p.gate, p.bias, cfg), cfg).offsets
+        elif name == "fused-routing":
+            fns[name] = lambda: fused_route(x, p.gate, p.bias, cfg, block_m=64).table.offsets
+        else:
+            raise ValueError(f"paths must be among {ALL_PATHS}, got {name!r}")
+    return fns
+
+
+def parity(problem: Problem, fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, dict]:
+    """Relative L2 error of every expert/layer path against float64 on the same routes (the
+    layer paths route themselves; a route that differs from the torch router is counted)."""
+    from .kernels.fused_routing import fused_route
+
+    p = problem
+    ref = expert_reference(p.x, p.table, p.weights, p.config, precision="float64")
+    report: dict[str, dict] = {"reference_rms": float(ref.pow(2).mean().sqrt())}
+    for name, fn in fns.items():
+        if name in ROUTING_PATHS:
+            continue
+        out = fn().clone()
+        entry = {"rel_l2": relative_l2(out, ref), "max_abs": float((out.double() - ref).abs().max()),
+                 "nan": bool(torch.isnan(out).any())}
+        if name == "fused-layer":
+            routes = fused_route(p.x, p.gate, p.bias, p.config)
+            entry["route_mismatches"] = int(
+                (routes.expert_ids.long() != p.routes.expert_ids).any(-1).sum())
+        report[name] = entry
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+def time_paths(fns: dict[str, Callable[[], object]], *, warmup: int, iters: int,
+               flush_mib: int, device: torch.device) -> dict[str, list[float]]:
+    """Per-call milliseconds of every path, alternated, with the L2 flushed before each call."""
+    names = list(fns)
+    cuda = device.type == "cuda"
+    flush = torch.empty(flush_mib * 2**20, dtype=torch.uint8, device=device) if cuda else None
+    for _ in range(warmup):
+        for name in names:
+            fns[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    if cuda:
+        torch.cuda.synchronize(device)
+        events = {n: [] for n in names}
+        for i in range(iters):
+            for j in range(len(names)):
+                name = names[(i + j) % len(names)]
+                flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fns[name]()
+                end.record()
+                events[name].append((start, end))
+        torch.cuda.synchronize(device)
+        for name in names:
+            times[name] = [s.elapsed_time(e) for s, e in events[name]]
+    else:
+        for i in range(iters):
+            for j in range(len(names)):
+                name = names[(i + j) % len(names)]
+                t0 = time.perf_counter()
+                fns[name]()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def summarize(samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+    return {"median_ms": statistics.median(ordered), "p90_ms": p90, "min_ms": ordered[0],
+            "mean_ms": statistics.fmean(ordered), "n": len(ordered)}
+
+
+def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, warmup: int,
+             iters: int, rounds: int, flush_mib: int) -> dict:
+    problem = draw_problem(case, device)
+    fl = floors(problem)
+    fns = make_paths(problem, paths)
+    checks = parity(problem, fns)
+    best: dict[str, dict] = {}
+    for _ in range(rounds):
+        times = time_paths(fns, warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
+        for name, samples in times.items():
+            stats = summarize(samples)
+            if name not in best or stats["median_ms"] < best[name]["median_ms"]:
+                best[name] = stats
+    for name, stats in best.items():
+        stats["x_floor"] = stats["median_ms"] / fl["floor_ms"] if fl["floor_ms"] else None
+        if name not in ROUTING_PATHS:
+            stats["tflops"] = fl["flops"] / (stats["median_ms"] * 1e-3) / 1e12
+    return {"case": asdict(case), "label": case.label, "floors": fl, "parity": checks,
+            "timings": best}
+
+
+# ---------------------------------------------------------------------------------------------
+# tile sweep
+# ---------------------------------------------------------------------------------------------
+# (block_m, block_n, block_k, warps, stages) candidates; programs per SM are tried 1 and 2.
+GATE_UP_CANDIDATES = (
+    (64, 64, 64, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
+    (64, 128, 64, 8, 4), (64, 128, 32, 4, 4),
+    (128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+    (128, 128, 32, 8, 4),
+)
+DOWN_CANDIDATES = (
+    (64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 256, 64, 8, 4),
+    (64, 128, 128, 4, 3),
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+    (128, 256, 32, 8, 4),
+)
+SUM_CANDIDATES = ((8, 4), (16, 4), (32, 4), (32, 8))
+
+
+def _time_one(fn: Callable[[], object], *, warmup: int, iters: int, flush_mib: int,
+              device: torch.device) -> float:
+    return summarize(time_paths({"k": fn}, warmup=warmup, iters=iters, flush_mib=flush_mib,
+                                device=device)["k"])["median_ms"]
+
+
+def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> dict:
+    """Median ms of every candidate of each fused kernel on this problem (failures recorded)."""
+    from .kernels import fused as F
+    from .packed_weights import pack_expert_weights
+
+    cfg, table, device = problem.config, problem.table, problem.x.device
+    packed = pack_expert_weights(problem.weights)
+    ws = F.FusedWorkspace(device)
+    R, S = table.num_routes, problem.num_tokens
+    rows = torch.empty(R, cfg.head_dim, dtype=torch.float32, device=device)
+    slot_route = torch.empty(S * cfg.num_heads * cfg.top_k, dtype=torch.int32, device=device)
+    out = torch.empty_like(problem.x)
+    results: dict[str, list] = {"gate_up": [], "down": [], "sum": [], "schedule": {}}
+    for bm in sorted({c[0] for c in GATE_UP_CANDIDATES}):
+        sched = F.launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws)
+        results["schedule"][bm] = _time_one(
+            lambda: F.launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws),
+            warmup=2, iters=iters, flush_mib=flush_mib, device=device)
+        act = torch.empty(sched.max_blocks * bm, cfg.intermediate_size, dtype=cfg.dtype,
+                          device=device)
+        for cand in GATE_UP_CANDIDATES:
+            if cand[0] != bm:
+                continue
+            for ppsm in (1, 2):
+                tiles = F.FusedTiles(block_m=bm, gu_block_n=cand[1], gu_block_k=cand[2],
+                                     gu_warps=cand[3], gu_stages=cand[4], gu_programs_per_sm=ppsm)
+                try:
+                    ms = _time_one(lambda: F.launch_gate_up(problem.x, table, packed, cfg, sched,
+                                                            act, tiles),
+                                   warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
+                except Exception as exc:  # out of shared memory, registers: record and go on
+                    ms = None
+                    print(f"  gate_up {cand} x{ppsm}: {type(exc).__name__}: {exc}"[:200])
+                results["gate_up"].append({"tiles": list(cand) + [ppsm], "ms": ms})
+        for cand in DOWN_CANDIDATES:
+            if cand[0] != bm:
+                continue
+            for ppsm in (1, 2):
+                tiles = F.FusedTiles(block_m=bm, down_block_n=cand[1], down_block_k=cand[2],
+                                     down_warps=cand[3], down_stages=cand[4],
+                                     down_programs_per_sm=ppsm)
+                try:
+                    ms = _time_one(lambda: F.launch_down(table, packed, cfg, sched, act, rows,
+                                                         slot_route, tiles),
+                                   warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
+                except Exception as exc:
+                    ms = None
+                    print(f"  down {cand} x{ppsm}: {type(exc).__name__}: {exc}"[:200])
+                results["down"].append({"tiles": list(cand) + [ppsm], "ms": ms})
+    for bt, warps in SUM_CANDIDATES:
+        tiles = F.FusedTiles(sum_block_t=bt, sum_warps=warps)
+        ms = _time_one(lambda: F.launch_topk_sum(rows, slot_route, out, cfg, tiles),
+                       warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
+        results["sum"].append({"tiles": [bt, warps], "ms": ms})
+    return results
+
+
+def _normalised(sweeps: list[dict], kernel: str) -> dict[tuple, float]:
+    """Per candidate: the sum over cases of its time over that case's fastest candidate;
+    candidates that failed in any case are dropped."""
+    scores: dict[tuple, float] = {}
+    failed: set[tuple] = set()
+    for sweep in sweeps:
+        ok = [e["ms"] for e in sweep[kernel] if e["ms"] is not None]
+        fastest = min(ok) if ok else 1.0
+        for e in sweep[kernel]:
+            key = tuple(e["tiles"])
+            if e["ms"] is None:
+                failed.add(key)
+            else:
+                scores[key] = scores.get(key, 0.0) + e["ms"] / fastest
+    return {k: v for k, v in scores.items() if k not in failed}
+
+
+def _ms(sweep: dict, kernel: str, tiles: tuple) -> float:
+    return next(e["ms"] for e in sweep[kernel] if tuple(e["tiles"]) == tiles)
+
+
+def best_tiles(sweeps: list[dict]):
+    """The FusedTiles that minimise the time over the given cases' sweeps: per block_m the best
+    gate/up and down candidates (by normalised time), then the block_m with the least total."""
+    from .kernels.fused import FusedTiles
+
+    gu, dn, sm = (_normalised(sweeps, k) for k in ("gate_up", "down", "sum"))
+    best = None
+    for bm in sorted({k[0] for k in gu} & {k[0] for k in dn}):
+        g = min((v, k) for k, v in gu.items() if k[0] == bm)[1]
+        d = min((v, k) for k, v in dn.items() if k[0] == bm)[1]
+        total = sum(_ms(s, "gate_up", g) + _ms(s, "down", d) for s in sweeps)
+        if best is None or total < best[0]:
+            best = (total, g, d)
+    _, g, d = best
+    st = min((v, k) for k, v in sm.items())[1]
+    return FusedTiles(block_m=g[0], gu_block_n=g[1], gu_block_k=g[2], gu_warps=g[3],
+                      gu_stages=g[4], gu_programs_per_sm=g[5], down_block_n=d[1],
+                      down_block_k=d[2], down_warps=d[3], down_stages=d[4],
+                      down_programs_per_sm=d[5], sum_block_t=st[0], sum_warps=st[1])
+
+
+def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iters: int,
+              flush_mib: int, write: bool) -> dict:
+    """Sweep every case, group the cases by routes per bank, write the winners per group."""
+    from .kernels.fused import write_tile_table
+
+    per_case = {}
+    for case in cases:
+        problem = draw_problem(case, device)
+        t0 = time.time()
+        per_case[case.label] = {"routes_per_bank": problem.table.num_routes / problem.config.num_banks,
+                                "sweep": sweep_case(problem, warmup=warmup, iters=iters,
+                                                    flush_mib=flush_mib)}
+        print(f"swept {case.label} in {time.time() - t0:.1f} s", flush=True)
+        del problem
+    # Classes: cases with the same routes per bank share tiles; edges at geometric midpoints.
+    groups: dict[float, list[dict]] = {}
+    for entry in per_case.values():
+        groups.setdefault(round(entry["routes_per_bank"], 3), []).append(entry["sweep"])
+    centres = sorted(groups)
+    classes = []
+    for i, c in enumerate(centres):
+        edge = math.sqrt(c * centres[i + 1]) if i + 1 < len(centres) else None
+        classes.append((edge, best_tiles(groups[c])))
+    summary = {"per_case": per_case,
+               "classes": [{"max_routes_per_bank": e, "tiles": asdict(t)} for e, t in classes]}
+    if write and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        match = "H200" if "H200" in name else name
+        path = write_tile_table(match, classes, note=f"swept on {name} by magi_moe.benchmark "
+                                f"--sweep, {time.strftime('%Y-%m-%d')}")
+        summary["written"] = str(path)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+def environment(device: torch.device) -> dict:
+    import triton
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "triton": triton.__version__, "device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, multiprocessors=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1))
+    return env
+
+
+def format_table(results: list[dict]) -> str:
+    lines = ["case            floor ms (mem/comp)   path           median    p90  x floor   rel L2"]
+    for r in results:
+        fl = r["floors"]
+        head = f"{r['label']:<15} {fl['memory_floor_ms']:.3f}/{fl['compute_floor_ms']:.3f}"
+        for i, (name, st) in enumerate(r["timings"].items()):
+            err = r["parity"].get(name, {}).get("rel_l2")
+            err_s = f"{err:.2e}" if err is not None else "-"
+            xf = f"{st['x_floor']:.2f}" if st.get("x_floor") else "-"
+            lines.append(f"{head if i == 0 else '':<37} {name:<13} {st['median_ms']:7.3f} "
+                         f"{st['p90_ms']:6.3f} {xf:>8} {err_s:>8}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m magi_moe.benchmark", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
+    ap.add_argument("--heads", type=int, nargs="+", default=[3])
+    ap.add_argument("--anchors", action="store_true", help="the four cases of ANCHORS.md")
+    ap.add_argument("--experts", type=int, default=256, help="experts per head")
+    ap.add_argument("--top-k", type=int, default=6)
+    ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--inter", type=int, default=1280)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                    help=f"comma-separated, among {','.join(ALL_PATHS)}")
+    ap.add_argument("--flush-mib", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--sweep", action="store_true", help="sweep the fused kernels' tiles first")
+    ap.add_argument("--write-tiles", action="store_true", help="with --sweep: update tiles/fused.json")
+    ap.add_argument("--json", help="write all results here")
+    args = ap.parse_args(argv)
+    args.paths = tuple(p for p in args.paths.split(",") if p)
+    bad = [p for p in args.paths if p not in ALL_PATHS]
+    if bad:
+        ap.error(f"--paths must be among {','.join(ALL_PATHS)}, got {','.join(bad)}")
+    if args.flush_mib < 256:
+        ap.error("--flush-mib must be at least 256 (the flush must exceed the L2 several times)")
+    if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
+        ap.error("--iters and --rounds must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    pairs = ANCHOR_CASES if args.anchors else [(h, s) for h in args.heads for s in args.tokens]
+    cases = [BenchCase(h, s, args.experts, args.top_k, args.head_dim, args.inter, args.seed)
+             for h, s in pairs]
+    report: dict = {"environment": environment(device), "args": {k: v for k, v in vars(args).items()},
+                    "ceilings": {"copy_gbps": COPY_GBPS, "matmul_tflops": MATMUL_TFLOPS}}
+    if args.sweep:
+        report["sweep"] = run_sweep(cases, device=device, warmup=3, iters=max(5, args.iters // 5),
+                                    flush_mib=args.flush_mib, write=args.write_tiles)
+        print(json.dumps(report["sweep"]["classes"], indent=1), flush=True)
+    results = []
+    for case in cases:
+        results.append(run_case(case, args.paths, device=device, warmup=args.warmup,
+                                iters=args.iters, rounds=args.rounds, flush_mib=args.flush_mib))
+        print(format_table(results[-1:]), flush=True)
+    report["results"] = results
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

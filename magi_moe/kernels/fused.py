@@ -1,0 +1,663 @@
+"""The fused BF16 expert path: a grouped GEMM over padded per-expert row blocks, no atomics.
+
+Four launches, none of them sized by a count read back to the host:
+
+1. ``block_schedule_kernel`` (one program): from the CSR offsets, the blocks of ``BLOCK_M``
+   routes of every bank ``f = h*E + e``, written into an upper-bound buffer, and the live block
+   count into a one-element device buffer. Worked example (``BLOCK_M = 2``):
+   ``offsets = [0, 3, 3, 4]`` -> ``block_bank = [0, 0, 2]``, ``block_start = [0, 2, 3]``,
+   ``block_count = 3``; the upper bound is ``cdiv(R, BLOCK_M) + min(H*E, R)``.
+2. ``gate_up_kernel`` (persistent): for each (live block, ``BLOCK_N`` columns of ``I``), the
+   block's tokens' ``x`` rows gathered on the fly, ``g = x W_gate`` and ``u = x W_up``
+   accumulated in fp32, ``a = SwiGLU7(g, u)`` in fp32 rounded once to bf16, stored into the
+   activation buffer ``[max_blocks * BLOCK_M, I]`` at the block's padded rows (padding rows read
+   ``x = 0`` and store exact zeros).
+3. ``down_kernel`` (persistent): ``a W_down`` accumulated in fp32, times the routing weight in
+   fp32, stored as one fp32 row per route in CSR order ``[R, Dh]`` (the layout of the native
+   kernel's deterministic rows); it also records where each ``(s, h, k)`` slot's row went
+   (``slot_route [S*H*K]``, int32).
+4. ``topk_sum_kernel``: ``y[s, h] = sum_k row(s, h, k)`` in fp32, ``k = 0 .. K-1`` in that order,
+   rounded once to the output dtype. Slots without a route (hand-built tables) add nothing.
+
+The two GEMM kernels are persistent: the host launches enough programs to fill the GPU, and
+each loops over work items ``program_id, program_id + num_programs, ...`` below the live
+count read from device memory. A grid of the upper bound would have launched up to
+``min(H*E, R) * tiles`` programs with nothing to do, each holding a multiprocessor's shared
+memory while it starts and exits.
+
+Every output element is written by exactly one program and every sum has a fixed order, so
+the result is bitwise identical run after run: deterministic mode costs nothing.
+
+Offsets: every ``index * stride`` product is formed in int64 (token, route, padded row, bank),
+so inputs past ``token * row_stride = 2^31`` are addressed correctly.
+
+The kernels read ``w_gate``/``w_up`` through their strides (unit stride in the last dim): the
+packed bank of :mod:`magi_moe.packed_weights` (``[H*E, Dh, 2I]``, gate in columns ``[0, I)``,
+up in ``[I, 2I)``) and plain contiguous tensors both work without a copy.
+
+Interpreter (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (SPEC 8), so
+``UPCAST`` converts operands to fp32 before each dot (bf16 x bf16 products are exact in fp32)
+and uses "ieee" dots; its fp32 -> bf16 cast truncates, so the two roundings go through
+``_round_bf16_rne`` there.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import debug
+from ..backends import interpreter_enabled
+from ..config import MoEConfig
+from ..routing import RouteTable
+from ..validation import check_same_device, check_tensor
+from ..weights import ExpertWeights
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+TILE_TABLE_DIR = Path(__file__).with_name("tiles")
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def _swiglu7(g, u):
+    g = tl.minimum(g, 7.0)
+    u = tl.minimum(tl.maximum(u, -7.0), 7.0)
+    return g * tl.sigmoid(1.702 * g) * (u + 1.0)
+
+
+@triton.jit
+def _round_bf16_rne(x):
+    """fp32 -> bf16, round to nearest even, by bit arithmetic. The interpreter's own fp32->bf16
+    cast truncates (seen with Triton 3.9, with or without ``fp_downcast_rounding="rtne"``)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+    rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.where(x != x, x.to(tl.bfloat16), rounded)
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """The one rounding of an fp32 value to the storage dtype (hardware RNE on the GPU)."""
+    if SOFT_BF16 and dtype == tl.bfloat16:
+        return _round_bf16_rne(x)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def block_schedule_kernel(
+    offsets_ptr,      # [H*E + 1] int64 CSR offsets: read, or written when FROM_COUNTS
+    counts_ptr,       # [H*E] int32 routes per bank (read only when FROM_COUNTS)
+    block_bank_ptr,   # [max_blocks] int32 out: bank of each live block
+    block_start_ptr,  # [max_blocks] int64 out: CSR index of each live block's first route
+    block_count_ptr,  # [1] int32 out: the live block count (read by the expert kernels)
+    num_banks,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BANKS_PAD: tl.constexpr,   # power of two >= num_banks
+    FROM_COUNTS: tl.constexpr,
+):
+    f = tl.arange(0, BANKS_PAD)
+    live = f < num_banks
+    if FROM_COUNTS:
+        counts = tl.load(counts_ptr + f, mask=live, other=0).to(tl.int64)
+        ends = tl.cumsum(counts, 0)
+        starts = ends - counts
+        tl.store(offsets_ptr + 1 + f, ends, mask=live)
+        tl.store(offsets_ptr + f, starts, mask=f == 0)
+    else:
+        starts = tl.load(offsets_ptr + f, mask=live, other=0)
+        counts = tl.load(offsets_ptr + 1 + f, mask=live, other=0) - starts
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    first_block = tl.cumsum(blocks, 0) - blocks
+    # A malformed table could claim more blocks than the buffer holds: never run past it.
+    tl.store(block_count_ptr, tl.minimum(tl.sum(blocks, 0), max_blocks).to(tl.int32))
+    # Bank f owns blocks first_block[f] .. first_block[f] + blocks[f] - 1.
+    for j in range(0, tl.max(blocks, 0)):
+        slot = first_block + j
+        m = live & (j < blocks) & (slot < max_blocks)
+        tl.store(block_bank_ptr + slot, f.to(tl.int32), mask=m)
+        tl.store(block_start_ptr + slot, starts + j * BLOCK_M, mask=m)
+
+
+@triton.jit
+def gate_up_kernel(
+    # pointers
+    x_ptr,            # [S, H*Dh] input, unit stride in the last dim
+    w_gate_ptr,       # bank f: [Dh, I] at w_gate_ptr + f*stride_wg_bank, rows stride_wg_k apart
+    w_up_ptr,         # same layout as w_gate
+    gather_ptr,       # [R] int32 token of each route (CSR order)
+    offsets_ptr,      # [H*E + 1] int64 CSR offsets
+    block_bank_ptr,   # [max_blocks] int32
+    block_start_ptr,  # [max_blocks] int64
+    block_count_ptr,  # [1] int32 live blocks
+    act_ptr,          # [max_blocks*BLOCK_M, I] out: SwiGLU7 activation, weight dtype
+    # strides and sizes
+    stride_x,
+    stride_wg_bank,
+    stride_wg_k,
+    stride_wu_bank,
+    stride_wu_k,
+    stride_act,
+    num_experts,
+    HEAD_DIM: tl.constexpr,
+    INTER: tl.constexpr,
+    # tiles and modes
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" when UPCAST: fp32 operands must not drop to tf32
+):
+    # Persistent: the grid is sized on the host, the work (live blocks x N tiles) on the device.
+    num_n: tl.constexpr = INTER // BLOCK_N
+    work = tl.load(block_count_ptr) * num_n
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+        block = item // num_n
+        n_block = item % num_n
+        bank = tl.load(block_bank_ptr + block).to(tl.int64)
+        start = tl.load(block_start_ptr + block)
+        end = tl.load(offsets_ptr + bank + 1)
+        head = bank // num_experts
+
+        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_mask = rows < end
+        tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        k = tl.arange(0, BLOCK_K)
+        n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        x_ptrs = x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + k[None, :]
+        wg_ptrs = w_gate_ptr + bank * stride_wg_bank + k[:, None] * stride_wg_k + n[None, :]
+        wu_ptrs = w_up_ptr + bank * stride_wu_bank + k[:, None] * stride_wu_k + n[None, :]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, HEAD_DIM // BLOCK_K):
+            a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            wg = tl.load(wg_ptrs)
+            wu = tl.load(wu_ptrs)
+            if UPCAST:
+                a = a.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K * stride_wg_k
+            wu_ptrs += BLOCK_K * stride_wu_k
+
+        # SwiGLU7 in fp32, rounded once to the weights' dtype: the down projection's operand.
+        # Padding rows read x = 0, so they store exact zeros. (Written out rather than called:
+        # the interpreter pays milliseconds per nested jit call, per work item.)
+        g = tl.minimum(acc_g, 7.0)
+        u = tl.minimum(tl.maximum(acc_u, -7.0), 7.0)
+        act32 = g * tl.sigmoid(1.702 * g) * (u + 1.0)
+        if UPCAST and act_ptr.dtype.element_ty == tl.bfloat16:
+            # The interpreter's fp32 -> bf16 cast truncates: round to nearest even by bits.
+            bits = act32.to(tl.uint32, bitcast=True)
+            bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+            act = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            act = tl.where(act32 != act32, act32.to(tl.bfloat16), act)
+        else:
+            act = act32.to(act_ptr.dtype.element_ty)
+        padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
+
+
+@triton.jit
+def down_kernel(
+    # pointers
+    act_ptr,          # [max_blocks*BLOCK_M, I] SwiGLU7 activation from gate_up_kernel
+    w_down_ptr,       # bank f: [I, Dh] at w_down_ptr + f*stride_wd_bank, rows stride_wd_k apart
+    probs_ptr,        # [R] fp32 routing weight of each route (CSR order)
+    slots_ptr,        # [R] int64 slot (s*H + h)*K + k of each route
+    offsets_ptr,      # [H*E + 1] int64
+    block_bank_ptr,   # [max_blocks] int32
+    block_start_ptr,  # [max_blocks] int64
+    block_count_ptr,  # [1] int32 live blocks
+    rows_ptr,         # [R, Dh] fp32 out: p * expert(x) per route, CSR order
+    slot_route_ptr,   # [S*H*K] int32 out: CSR index of the route in each slot
+    # strides and sizes
+    stride_act,
+    stride_wd_bank,
+    stride_wd_k,
+    stride_rows,
+    HEAD_DIM: tl.constexpr,
+    INTER: tl.constexpr,
+    # tiles and modes
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    num_n: tl.constexpr = HEAD_DIM // BLOCK_N
+    work = tl.load(block_count_ptr) * num_n
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+        block = item // num_n
+        n_block = item % num_n
+        bank = tl.load(block_bank_ptr + block).to(tl.int64)
+        start = tl.load(block_start_ptr + block)
+        end = tl.load(offsets_ptr + bank + 1)
+
+        padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        k = tl.arange(0, BLOCK_K)
+        n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        a_ptrs = act_ptr + padded[:, None] * stride_act + k[None, :]
+        w_ptrs = w_down_ptr + bank * stride_wd_bank + k[:, None] * stride_wd_k + n[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, INTER // BLOCK_K):
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wd_k
+
+        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_mask = rows < end
+        probs = tl.load(probs_ptr + rows, mask=row_mask, other=0.0)
+        acc = acc * probs[:, None]  # routing weight in fp32
+        tl.store(rows_ptr + rows[:, None] * stride_rows + n[None, :], acc, mask=row_mask[:, None])
+        if n_block == 0:
+            slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
+            tl.store(slot_route_ptr + slots, rows.to(tl.int32), mask=row_mask)
+
+
+@triton.jit
+def topk_sum_kernel(
+    rows_ptr,         # [R, Dh] fp32 per-route rows (CSR order)
+    slot_route_ptr,   # [S*H*K] int32 CSR index per slot, -1: no route
+    out_ptr,          # [S, H*Dh] out, unit stride in the last dim
+    num_pairs,        # S*H
+    num_heads,
+    stride_rows,
+    stride_out,
+    HEAD_DIM: tl.constexpr,
+    DH_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SOFT_BF16: tl.constexpr,   # interpreter: round to bf16 by bit arithmetic (see _round_bf16_rne)
+):
+    pid = tl.program_id(0)
+    pairs = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    pair_mask = pairs < num_pairs
+    token = pairs // num_heads
+    head = pairs % num_heads
+    d = tl.arange(0, DH_PAD)
+    d_mask = d < HEAD_DIM
+    acc = tl.zeros((BLOCK_T, DH_PAD), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):  # fixed order: k = 0, 1, ..., K-1
+        route = tl.load(slot_route_ptr + pairs * TOP_K + k, mask=pair_mask, other=-1)
+        has = route >= 0
+        acc += tl.load(rows_ptr + route.to(tl.int64)[:, None] * stride_rows + d[None, :],
+                       mask=has[:, None] & d_mask[None, :], other=0.0)
+    tl.store(out_ptr + token[:, None] * stride_out + head[:, None] * HEAD_DIM + d[None, :],
+             _round_to(acc, out_ptr.dtype.element_ty, SOFT_BF16), mask=pair_mask[:, None] & d_mask[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# tiles
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FusedTiles:
+    """Block shapes of the three expert kernels. ``block_m`` is shared: it sets the padding."""
+
+    block_m: int = 64
+    gu_block_n: int = 64
+    gu_block_k: int = 64
+    gu_warps: int = 4
+    gu_stages: int = 3
+    down_block_n: int = 128
+    down_block_k: int = 64
+    down_warps: int = 4
+    down_stages: int = 3
+    sum_block_t: int = 16
+    sum_warps: int = 4
+    # Persistent grids: programs per multiprocessor (the occupancy the tiles allow).
+    gu_programs_per_sm: int = 1
+    down_programs_per_sm: int = 1
+
+    def fitted(self, config: MoEConfig) -> "FusedTiles":
+        """The same tiles with N/K blocks shrunk to powers of two dividing the widths (the
+        config guarantees multiples of 16), so the kernels' inner loops need no masks."""
+        Dh, I = config.head_dim, config.intermediate_size
+        return FusedTiles(**{**asdict(self),
+                             "gu_block_n": _divisor_block(I, self.gu_block_n),
+                             "gu_block_k": _divisor_block(Dh, self.gu_block_k),
+                             "down_block_n": _divisor_block(Dh, self.down_block_n),
+                             "down_block_k": _divisor_block(I, self.down_block_k)})
+
+
+def _divisor_block(width: int, want: int) -> int:
+    block = min(want, 1 << (width.bit_length() - 1))
+    while width % block:
+        block //= 2
+    return max(block, 1)
+
+
+# The interpreter pays per program and per operation, not per element: small row blocks (little
+# padding), whole widths per program (few programs, few loop trips), one warp.
+INTERPRETER_TILES = FusedTiles(block_m=16, gu_block_n=256, gu_block_k=256, gu_warps=1,
+                               gu_stages=1, down_block_n=256, down_block_k=256, down_warps=1,
+                               down_stages=1, sum_block_t=64, sum_warps=1)
+# Any CUDA GPU without a table entry (Ampere and later run these).
+PORTABLE_TILES = FusedTiles(block_m=64, gu_block_n=64, gu_block_k=64, gu_warps=4, gu_stages=2,
+                            down_block_n=128, down_block_k=32, down_warps=4, down_stages=2)
+
+
+@lru_cache(maxsize=None)
+def load_tile_table(device_name: str) -> list[tuple[float, FusedTiles]] | None:
+    """The tabled tiles for a GPU (``tiles/fused.json``, written from ``scripts/gpu_fused.sh``'s
+    sweep): a list of (routes-per-bank upper edge, tiles), or None when the GPU has no entry."""
+    path = TILE_TABLE_DIR / "fused.json"
+    if not path.exists():
+        return None
+    table = json.loads(path.read_text())
+    known = {f.name for f in fields(FusedTiles)}
+    for entry in table.get("devices", []):
+        if entry["match"].lower() in device_name.lower():
+            classes = []
+            for cls in entry["classes"]:
+                edge = cls["max_routes_per_bank"]
+                tiles = FusedTiles(**{k: v for k, v in cls["tiles"].items() if k in known})
+                classes.append((math.inf if edge is None else float(edge), tiles))
+            return sorted(classes, key=lambda c: c[0])
+    return None
+
+
+def write_tile_table(device_match: str, classes: list[tuple[float | None, FusedTiles]], *,
+                     note: str = "", path: Path | None = None) -> Path:
+    """Write (or replace) one GPU's entry in ``tiles/fused.json``: the format
+    :func:`load_tile_table` reads. ``classes``: (routes-per-bank upper edge or None, tiles)."""
+    path = path or TILE_TABLE_DIR / "fused.json"
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table.setdefault("format", "devices[].match is a substring of torch.cuda.get_device_name(); "
+                     "classes[] apply up to max_routes_per_bank = R / (H*E) (null: no limit)")
+    entries = [e for e in table.get("devices", []) if e["match"] != device_match]
+    entries.append({"match": device_match, "note": note, "classes": [
+        {"max_routes_per_bank": None if edge is None or math.isinf(edge) else edge,
+         "tiles": asdict(tiles)} for edge, tiles in classes]})
+    table["devices"] = entries
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    load_tile_table.cache_clear()
+    return path
+
+
+def choose_fused_tiles(config: MoEConfig, num_routes: int, device: torch.device) -> FusedTiles:
+    """Tiles for this shape and device, looked up by mean routes per bank (the padding and the
+    weight reuse both follow it). ``MAGI_MOE_FUSED_TILES`` (JSON of FusedTiles fields) overrides,
+    for sweeps."""
+    override = os.environ.get("MAGI_MOE_FUSED_TILES")
+    if override:
+        return FusedTiles(**{**asdict(PORTABLE_TILES), **json.loads(override)}).fitted(config)
+    if device.type != "cuda":
+        return INTERPRETER_TILES.fitted(config)
+    classes = load_tile_table(torch.cuda.get_device_name(device))
+    if not classes:
+        return PORTABLE_TILES.fitted(config)
+    per_bank = num_routes / max(config.num_banks, 1)
+    for edge, tiles in classes:
+        if per_bank <= edge:
+            return tiles.fitted(config)
+    return classes[-1][1].fitted(config)
+
+
+def max_blocks(num_routes: int, num_banks: int, block_m: int) -> int:
+    """Upper bound on ``sum_f cdiv(count_f, block_m)`` known without reading the counts: each
+    nonempty bank wastes less than one block, and at most ``min(H*E, R)`` banks are nonempty."""
+    return triton.cdiv(num_routes, block_m) + min(num_banks, num_routes)
+
+
+# ---------------------------------------------------------------------------------------------
+# workspace
+# ---------------------------------------------------------------------------------------------
+class FusedWorkspace:
+    """Grow-only device buffers reused call after call, so a warm call allocates nothing.
+
+    Each named buffer is one flat allocation; a call takes a view of the size it needs and a
+    larger request reallocates (``allocations`` counts those). One workspace serves every
+    layer on its device: calls on one device must be ordered (one stream), as they are within a
+    model's forward. Under :func:`magi_moe.debug.poison_workspaces` float buffers are refilled
+    with NaN (and integer ones with -1) on every request, so an element a kernel should have
+    written and did not shows up in the output."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+            self._buffers[name] = buf
+            self.allocations += 1
+        view = buf[:numel].view(shape)
+        if debug._poison:  # noqa: SLF001 (the debug switch is module state by design)
+            view.fill_(float("nan") if dtype.is_floating_point else -1)
+        return view
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+_WORKSPACES: dict[torch.device, FusedWorkspace] = {}
+
+
+def shared_workspace(device: torch.device | str) -> FusedWorkspace:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    ws = _WORKSPACES.get(device)
+    if ws is None:
+        ws = _WORKSPACES[device] = FusedWorkspace(device)
+    return ws
+
+
+# ---------------------------------------------------------------------------------------------
+# launch wrappers
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockSchedule:
+    """Device-side block schedule: ``block_bank`` int32 and ``block_start`` int64
+    ``[max_blocks]`` (valid below the live count), ``block_count`` int32 ``[1]`` (the live
+    count, never read by the host); ``max_blocks`` is the host-side upper bound."""
+
+    block_bank: torch.Tensor
+    block_start: torch.Tensor
+    block_count: torch.Tensor
+    block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_bank.numel()
+
+
+def launch_block_schedule(offsets: torch.Tensor, num_routes: int, num_banks: int, block_m: int,
+                          workspace: FusedWorkspace, *, counts: torch.Tensor | None = None
+                          ) -> BlockSchedule:
+    """Build the block schedule from ``offsets`` (or, with ``counts``, write ``offsets`` first
+    from the per-bank route counts). One single-program launch; nothing read back."""
+    nb = max_blocks(num_routes, num_banks, block_m)
+    block_bank = workspace.get("block_bank", (nb,), torch.int32)
+    block_start = workspace.get("block_start", (nb,), torch.int64)
+    block_count = workspace.get("block_count", (1,), torch.int32)
+    pad = max(16, triton.next_power_of_2(num_banks))
+    block_schedule_kernel[(1,)](
+        offsets, counts if counts is not None else offsets, block_bank, block_start, block_count,
+        num_banks, nb,
+        BLOCK_M=block_m, BANKS_PAD=pad, FROM_COUNTS=counts is not None,
+        num_warps=1 if interpreter_enabled() else min(16, max(4, pad // 256)),
+    )
+    return BlockSchedule(block_bank, block_start, block_count, block_m)
+
+
+@lru_cache(maxsize=None)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def persistent_grid(work_upper_bound: int, programs_per_sm: int, device: torch.device) -> int:
+    """Programs for a persistent kernel: enough to fill the GPU, never more than the work's
+    upper bound (the interpreter runs programs one by one: a handful there)."""
+    if device.type == "cuda":
+        slots = _multiprocessors(device.index if device.index is not None
+                                 else torch.cuda.current_device()) * programs_per_sm
+    else:
+        slots = 4
+    return max(1, min(work_upper_bound, slots))
+
+
+def check_fused_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
+                       config: MoEConfig) -> None:
+    """Shapes, dtypes, devices and strides; reads no tensor data (no host synchronisation)."""
+    check_tensor("x", x, shape=(table.num_tokens, config.hidden_size), dtype=FUSED_DTYPES)
+    if x.numel() and x.stride(-1) != 1:
+        raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
+    weights.check(config)
+    for name, w in weights._asdict().items():
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name} dtype {w.dtype} must match x dtype {x.dtype}")
+        if w.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got strides {w.stride()}")
+    if (table.num_heads, table.num_experts, table.top_k) != (
+            config.num_heads, config.num_experts, config.top_k):
+        raise ValueError(f"table was built for H={table.num_heads} E={table.num_experts} "
+                         f"K={table.top_k}, config has {config.describe()}")
+    check_tensor("table.gather_ids", table.gather_ids, shape=(None,), dtype=torch.int32)
+    R = table.num_routes
+    check_tensor("table.sorted_probs", table.sorted_probs, shape=(R,), dtype=torch.float32)
+    check_tensor("table.offsets", table.offsets, shape=(config.num_banks + 1,), dtype=torch.int64)
+    check_tensor("table.route_slots", table.route_slots, shape=(R,), dtype=torch.int64)
+    check_same_device(x=x, w_gate=weights.w_gate, gather_ids=table.gather_ids,
+                      sorted_probs=table.sorted_probs, offsets=table.offsets,
+                      route_slots=table.route_slots)
+    slots = table.num_tokens * config.num_heads * config.top_k
+    if max(R, slots) >= 2**31:
+        raise ValueError(f"table has {R} routes and {slots} slots; the slot map is int32, so "
+                         f"both must stay below 2^31")
+
+
+def _dot_modes() -> tuple[bool, str]:
+    upcast = interpreter_enabled()
+    return upcast, "ieee" if upcast else "tf32"  # tf32 is never used: operands are 16-bit
+
+
+def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
+                   schedule: BlockSchedule, act: torch.Tensor, tiles: FusedTiles) -> None:
+    """Kernel 2: SwiGLU7 activations of every live block into ``act`` ``[max_blocks*BLOCK_M, I]``."""
+    upcast, precision = _dot_modes()
+    wg, wu = weights.w_gate, weights.w_up
+    I = config.intermediate_size
+    work = schedule.max_blocks * (I // tiles.gu_block_n)
+    gate_up_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
+        x, wg, wu, table.gather_ids, table.offsets,
+        schedule.block_bank, schedule.block_start, schedule.block_count, act,
+        x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
+        config.num_experts,
+        HEAD_DIM=config.head_dim, INTER=I,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n, BLOCK_K=tiles.gu_block_k,
+        UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
+    )
+
+
+def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,
+                schedule: BlockSchedule, act: torch.Tensor, rows: torch.Tensor,
+                slot_route: torch.Tensor, tiles: FusedTiles) -> None:
+    """Kernel 3: weighted fp32 rows per route into ``rows`` ``[R, Dh]`` and ``slot_route``."""
+    upcast, precision = _dot_modes()
+    wd = weights.w_down
+    Dh = config.head_dim
+    work = schedule.max_blocks * (Dh // tiles.down_block_n)
+    down_kernel[(persistent_grid(work, tiles.down_programs_per_sm, act.device),)](
+        act, wd, table.sorted_probs, table.route_slots, table.offsets,
+        schedule.block_bank, schedule.block_start, schedule.block_count, rows, slot_route,
+        act.stride(0), wd.stride(0), wd.stride(1), rows.stride(0),
+        HEAD_DIM=Dh, INTER=config.intermediate_size,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
+        UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages,
+    )
+
+
+def launch_route_rows(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
+                      config: MoEConfig, rows: torch.Tensor, slot_route: torch.Tensor, *,
+                      tiles: FusedTiles, workspace: FusedWorkspace,
+                      schedule: BlockSchedule | None = None) -> None:
+    """Expert rows only: fp32 ``p * expert(x)`` into caller-owned ``rows`` ``[R, Dh]`` (CSR
+    order, as the native kernel's deterministic rows) and each route's CSR index into
+    ``slot_route`` ``[S*H*K]`` int32. Huge-input tests call this with lazily allocated buffers."""
+    R = table.num_routes
+    if R == 0:
+        return
+    if schedule is None:
+        schedule = launch_block_schedule(table.offsets, R, config.num_banks, tiles.block_m,
+                                         workspace)
+    act = workspace.get("act", (schedule.max_blocks * tiles.block_m, config.intermediate_size),
+                        weights.w_down.dtype)
+    launch_gate_up(x, table, weights, config, schedule, act, tiles)
+    launch_down(table, weights, config, schedule, act, rows, slot_route, tiles)
+
+
+def launch_topk_sum(rows: torch.Tensor, slot_route: torch.Tensor, out: torch.Tensor,
+                    config: MoEConfig, tiles: FusedTiles) -> None:
+    """``out[s, h] = sum_k rows[slot_route[(s*H + h)*K + k]]`` in fixed order, one rounding."""
+    S = out.shape[0]
+    if S == 0:
+        return
+    pairs = S * config.num_heads
+    topk_sum_kernel[(triton.cdiv(pairs, tiles.sum_block_t),)](
+        rows, slot_route, out, pairs, config.num_heads, rows.stride(0), out.stride(0),
+        HEAD_DIM=config.head_dim, DH_PAD=max(16, triton.next_power_of_2(config.head_dim)),
+        TOP_K=config.top_k, BLOCK_T=tiles.sum_block_t, SOFT_BF16=interpreter_enabled(),
+        num_warps=tiles.sum_warps,
+    )
+
+
+def fused_forward(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
+                  *, out: torch.Tensor | None = None, tiles: FusedTiles | None = None,
+                  workspace: FusedWorkspace | None = None,
+                  schedule: BlockSchedule | None = None) -> torch.Tensor:
+    """The expert computation on ``table``'s routes; returns ``out`` ``[S, H*Dh]`` in ``x.dtype``.
+
+    No host synchronisation, and once the workspace has grown to the problem's size, no
+    allocation. ``schedule``: a block schedule already built on the device (the fused router
+    builds it with the route table); built here otherwise."""
+    check_fused_inputs(x, table, weights, config)
+    S, D = x.shape
+    if out is None:
+        out = torch.empty(S, D, dtype=x.dtype, device=x.device)
+    else:
+        check_tensor("out", out, shape=(S, D), dtype=x.dtype, device=x.device)
+        if out.numel() and out.stride(-1) != 1:
+            raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
+    if S == 0:
+        return out
+    workspace = workspace or shared_workspace(x.device)
+    R = table.num_routes
+    tiles = tiles or choose_fused_tiles(config, R, x.device)
+    if schedule is not None and schedule.block_m != tiles.block_m:
+        raise ValueError(f"schedule was built for block_m={schedule.block_m}, "
+                         f"tiles use {tiles.block_m}")
+    num_slots = S * config.num_heads * config.top_k
+    rows = workspace.get("rows", (R, config.head_dim), torch.float32)
+    slot_route = workspace.get("slot_route", (num_slots,), torch.int32)
+    if R < num_slots:  # a partial (hand-built) table leaves slots without a route
+        slot_route.fill_(-1)
+    launch_route_rows(x, table, weights, config, rows, slot_route, tiles=tiles,
+                      workspace=workspace, schedule=schedule)
+    launch_topk_sum(rows, slot_route, out, config, tiles)
+    return out
