@@ -22,13 +22,13 @@ PY=${PYTHON:-python3}
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
 
-timeout 300 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" \
+timeout 200 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" \
     tests/test_fused.py tests/test_packed_weights.py \
     tests/test_implementations.py --impl fused --impl native-det 2>&1 | tail -40 | tee "$OUT/tests.log"
 
 PATHS=native,native-det,fused,fused-layer,native-layer,routing,fused-routing
 if [ "$MODE" = sweep ]; then
-  timeout 420 $PY -m magi_moe.benchmark --anchors --sweep --write-tiles --paths $PATHS \
+  timeout 360 $PY -m magi_moe.benchmark --anchors --sweep --write-tiles --paths $PATHS \
       --iters 100 --warmup 10 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   cp magi_moe/kernels/tiles/fused.json "$OUT/fused.json" 2>/dev/null
 else
