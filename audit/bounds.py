@@ -391,11 +391,11 @@ def evaluate_bounds(out: torch.Tensor, bounds: ErrorBounds, *, label: str = "") 
     err_f = torch.where(finite, err, torch.zeros_like(err))
     ratio_w = err_f / bounds.worst
     ratio_p = err_f / bounds.probabilistic
-    flat_arg = int(torch.argmax(torch.where(finite, ratio_p, torch.full_like(ratio_p, math.inf))))
+    n = err.numel()
+    flat_arg = int(torch.argmax(torch.where(finite, ratio_p, torch.full_like(ratio_p, math.inf)))) if n else 0
     ref_norm = float(ref.norm())
     diff_norm = float(err_f.norm()) if nonfinite == 0 else math.inf
     gen = torch.Generator().manual_seed(1)
-    n = err.numel()
     pick = (torch.randperm(n, generator=gen) if n <= SAMPLE_SIZE else
             torch.randint(n, (SAMPLE_SIZE,), generator=gen)).to(err.device)
     return BoundReport(

@@ -9,12 +9,15 @@ Two checks, both derived from the data rather than hand-picked:
   ``FAITHFUL_FRACTION`` of the elements lie within one output ulp of the emulation and the
   overall gap stays a small fraction of the emulation's own error. (A kernel that truncated its
   bf16 roundings, as the Triton interpreter does, left 25% of elements beyond one ulp.)
-The audited a-priori bounds of ``audit.bounds`` tighten this further.
+* Proven bounds: every element within ``audit.bounds``' a-priori bounds for the implementation's
+  declared precision model (worst case never exceeded; probabilistic with a 1e-4 false-alarm
+  probability for the whole run).
 """
 from __future__ import annotations
 
 import torch
 
+from audit import check_error_bounds
 from magi_moe.problems import Problem, relative_l2
 from magi_moe.reference import expert_reference
 
@@ -55,6 +58,9 @@ def assert_matches_oracle(out: torch.Tensor, problem: Problem, impl, *, label: s
     if impl.precision == "float64":
         assert torch.equal(out, ref), f"{name}: the oracle must reproduce itself exactly"
         return figures
+    bounds = check_error_bounds(out, p, impl)
+    figures["bound_ratio"] = bounds.max_ratio
+    assert bounds.ok, f"{name}: {bounds.summary()}"
     assert err <= BASELINE_FACTOR * base_err + NOISE_FLOOR, (
         f"{name}: relative L2 error {err:.3e} exceeds {BASELINE_FACTOR} x the bf16 baseline's {base_err:.3e}")
     if impl.precision == "bf16-fp32acc":
