@@ -1,0 +1,73 @@
+"""``python -m fuzz``: fuzzing campaigns, and replaying what they found.
+
+    python -m fuzz --backend interpret --impl native --budget-seconds 600 --seed 1 \\
+                   --db .hypothesis/fuzz-db --out fuzz-out [--workers 2] [--properties differential,tie_rule]
+    python -m fuzz replay '<record json>' | path/to/failure.json    # one case, exactly
+    python -m fuzz rerun 'tests/test_fuzz_stateful.py::test_weight_swaps[fused@cpu]' --db DIR --backend cpu
+    python -m fuzz list                                              # the properties
+
+A campaign writes ``<out>/summary.json``, ``<out>/junit.xml``, ``<out>/failures/*.json`` (each
+with its one-line ``repro``) and ``<out>/pytest.log``; see :mod:`fuzz.campaign`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def _load_record(text: str) -> dict:
+    path = Path(text)
+    if not text.lstrip().startswith("{") and path.exists():
+        data = json.loads(path.read_text())
+        return data.get("record", data)  # a saved failure file or a bare record
+    return json.loads(text)
+
+
+def replay_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fuzz replay",
+                                     description="Replay one recorded case exactly; exit 1 if it still fails.")
+    parser.add_argument("record", help="the record JSON, or a failure file written by a campaign")
+    args = parser.parse_args(argv)
+    record = _load_record(args.record)
+    if record.get("backend") == "interpret":
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    from .properties import replay
+    from .record import DeviceFault, PropertyViolation
+
+    print(f"replaying {record.get('property')} on {record.get('impl') or record.get('router')}"
+          f"@{record.get('backend')}", flush=True)
+    try:
+        metrics = replay(record)
+    except (PropertyViolation, DeviceFault) as exc:
+        print(f"FAIL: {exc}")
+        return 1
+    print(f"PASS: {json.dumps(metrics, default=str)}")
+    return 0
+
+
+def list_main(argv: list[str]) -> int:
+    from .properties import PROPERTIES
+    for name, prop in PROPERTIES.items():
+        needs = f"  (needs {', '.join(prop.needs)})" if prop.needs else ""
+        doc = (prop.check.__doc__ or "").strip().splitlines()
+        print(f"{name:18s} {doc[0] if doc else ''}{needs}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "replay":
+        return replay_main(argv[1:])
+    if argv and argv[0] == "list":
+        return list_main(argv[1:])
+    from .campaign import campaign_main, rerun_main
+    if argv and argv[0] == "rerun":
+        return rerun_main(argv[1:])
+    return campaign_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

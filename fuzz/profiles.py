@@ -1,0 +1,79 @@
+"""Hypothesis profiles for the fuzzers, chosen explicitly (``--hypothesis-profile ci|dev|nightly``).
+
+SPEC section 9: Hypothesis' built-in ``ci`` profile is only loaded when ``CI`` is set, and tox
+drops that variable, so the profile is always named on the command line instead.
+
+* ``ci``: derandomised (the same examples on every commit), no example database, a small example
+  budget and small shapes: the per-commit run.
+* ``dev``: random, with the default local database, a few times the ci budget.
+* ``nightly``: random, large budgets, no deadline, a shared ``DirectoryBasedExampleDatabase``
+  (``NIGHTLY_DATABASE``, relative to the working directory) so failures found overnight replay
+  first the next night. The campaign runner derives its own profile from this one with the
+  database it is given.
+
+Tests scale their per-test budget with :func:`examples` and their shape budget with
+:func:`size_budget`, both read from the profile that is loaded, so one test file serves all three.
+"""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+__all__ = ["NIGHTLY_DATABASE", "SIZE_BUDGETS", "examples", "size_budget", "register_campaign_profile"]
+
+NIGHTLY_DATABASE = ".hypothesis/fuzz-nightly"
+
+# Shape budget per profile: strategies scale token counts and widths with it (1 = per-commit sizes).
+SIZE_BUDGETS = {"ci": 1.0, "dev": 2.0, "nightly": 8.0, "campaign": 8.0}
+
+# Kernel calls are slow under the Triton interpreter: generating data is never the slow part.
+_SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
+
+settings.register_profile(
+    "ci", derandomize=True, database=None, max_examples=8, deadline=None, print_blob=True,
+    suppress_health_check=_SLOW_OK,
+)
+settings.register_profile(
+    "dev", max_examples=50, deadline=None, print_blob=True, suppress_health_check=_SLOW_OK,
+)
+settings.register_profile(
+    "nightly", max_examples=2000, deadline=None, print_blob=True,
+    database=DirectoryBasedExampleDatabase(NIGHTLY_DATABASE), suppress_health_check=_SLOW_OK,
+)
+
+
+def register_campaign_profile(database_dir: str, *, max_examples: int, parent: str = "nightly") -> str:
+    """Register (and return the name of) the campaign profile: ``parent``'s settings (nightly by
+    default) with the campaign's database directory and a per-round example budget (the runner
+    loops rounds until its time is spent)."""
+    if max_examples < 1:
+        raise ValueError(f"max_examples must be >= 1, got {max_examples}")
+    settings.register_profile(
+        "campaign", parent=settings.get_profile(parent), max_examples=max_examples,
+        database=DirectoryBasedExampleDatabase(database_dir),
+    )
+    return "campaign"
+
+
+def _current_profile() -> str | None:
+    try:
+        return settings.get_current_profile_name()
+    except AssertionError:  # nothing loaded yet
+        return None
+
+
+def size_budget() -> float:
+    """Shape budget of the loaded profile (the ci size when none of ours is loaded)."""
+    return SIZE_BUDGETS.get(_current_profile() or "", 1.0)
+
+
+def examples(fraction: float = 1.0, *, at_least: int = 2) -> settings:
+    """``@settings`` for a test that costs more (or less) than the typical one: a ``fraction`` of
+    the loaded profile's ``max_examples`` (of ci's when none of ours is loaded, so a plain
+    ``pytest`` run stays short). Read when the test module is imported, which pytest does after
+    ``--hypothesis-profile`` has been applied."""
+    if not fraction > 0:
+        raise ValueError(f"fraction must be > 0, got {fraction}")
+    ours = _current_profile() in SIZE_BUDGETS
+    base = settings.default.max_examples if ours else settings.get_profile("ci").max_examples
+    return settings(max_examples=max(at_least, round(base * fraction)))

@@ -1,0 +1,490 @@
+"""The properties every implementation must have, as plain functions of (target, case).
+
+Each check builds the case's tensors, runs the implementation into a NaN-poisoned output, and
+raises :class:`~fuzz.record.PropertyViolation` (whose message ends with a one-line reproduction
+command) when the property fails; it returns a dict of metrics otherwise. The tests wrap them in
+``@given``; the campaign runner runs those tests; ``python -m fuzz replay`` calls them directly.
+
+========================  =====================================================================
+property                  what must hold
+========================  =====================================================================
+``differential``          agreement with the float64 oracle on the same routes, within
+                          :mod:`fuzz.tolerance`'s bound (2x the plain bf16 baseline's error +
+                          a noise floor); no unwritten (poisoned) element; the error ratio is
+                          pushed up with ``hypothesis.target``
+``tie_rule``              the router: exact ties go to the lower expert index, which also
+                          comes first; NaN last (checked against a brute-force Python ranking)
+``token_permutation``     permuting the tokens permutes the output rows (within rounding)
+``head_locality``         a head's output depends only on its own slice of x, bank and routes
+``linearity``             doubling every routing weight doubles the output: exactly for the
+                          float64 oracle and deterministic paths, within rounding otherwise
+``empty_experts``         (token, head) pairs left without any route give exactly zero; the
+                          rest still agree with the oracle
+``zero_tokens``           zero tokens, and a table whose experts are all empty, run and give
+                          an empty / all-zero output
+``deterministic``         bitwise identical output across runs and CPU thread counts
+``huge_offsets``          tokens past 2^31 / row stride (:mod:`fuzz.huge`, in a child process)
+========================  =====================================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from hypothesis import currently_in_test_context, event, note, reject, target as hyp_target
+
+from magi_moe.backends import Backend, get_backend
+from magi_moe.problems import Problem, run_poisoned
+from magi_moe.reference import expert_reference
+from magi_moe.registry import Implementation, get_implementation
+from magi_moe.routing import Routes, build_route_table, router_logits, scores_from_logits
+
+from .cases import ExpertCase, TieCase, build_problem, build_router_inputs, case_to_dict, drop_banks
+from .huge import HugeCase, launcher_for, run_isolated
+from .record import PropertyViolation, in_flight
+from .tolerance import differential_report, rounding_mismatch, unit_roundoff
+
+__all__ = [
+    "PROPERTIES", "Property", "Target", "campaign_target", "check_deterministic",
+    "check_differential", "check_empty_experts", "check_head_locality", "check_huge_offsets",
+    "check_linearity", "check_tie_rule", "check_token_permutation", "check_zero_tokens",
+    "load_router", "make_target", "replay", "target_for",
+]
+
+DEFAULT_ROUTER = "magi_moe.routing:route"
+
+
+@dataclass(frozen=True)
+class Target:
+    """The implementation under test on one backend. ``spec`` is how a replay loads it: a
+    registered name or ``package.module:attr``."""
+
+    impl: Implementation
+    backend: Backend
+    spec: str
+
+    @property
+    def device(self) -> str:
+        return self.backend.device
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(d for d in self.impl.dtypes if d in (torch.bfloat16, torch.float16, torch.float32))
+
+    def skip_reason(self, needs: tuple[str, ...] = ()) -> str | None:
+        return self.impl.skip_reason(self.backend, needs=needs)
+
+
+def make_target(impl: str | Implementation, backend: str | Backend, *, spec: str | None = None) -> Target:
+    """``impl``: a registered name, ``package.module:attr``, or an Implementation (then give
+    ``spec``, the string that loads it again, or it must be registered under its name)."""
+    if isinstance(impl, str):
+        spec, impl = spec or impl, get_implementation(impl)
+    elif not isinstance(impl, Implementation):
+        raise TypeError(f"impl must be a name or an Implementation, got {type(impl).__name__}")
+    backend = get_backend(backend) if isinstance(backend, str) else backend
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a name or a Backend, got {type(backend).__name__}")
+    return Target(impl, backend, spec or impl.name)
+
+
+def target_for(pair, impl_options=()) -> Target:
+    """The target of a test's ``impl_backend`` pair (tests/conftest.py). Its replay spec is the
+    ``--impl`` option that names it, so outside implementations replay too."""
+    spec = next((o for o in impl_options if get_implementation(o) is pair.impl), pair.impl.name)
+    return Target(pair.impl, pair.backend, spec)
+
+
+def load_router(spec: str) -> Callable[..., Routes]:
+    """A router ``route(x, gate, bias, config) -> Routes`` named ``package.module:attr``."""
+    import importlib
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"router must look like 'package.module:attr', got {spec!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def campaign_target(test):
+    """Mark a test as a fuzz target: the campaign runner runs it under the property name
+    ``test.__name__`` without its ``test_`` prefix."""
+    test.fuzz_property = test.__name__.removeprefix("test_")
+    return test
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _record(prop: str, target: Target, case, **params) -> dict:
+    return {"property": prop, "impl": target.spec, "backend": target.backend.name,
+            "case": case_to_dict(case), "params": params}
+
+
+def _push(ratio: float, label: str) -> None:
+    if currently_in_test_context() and math.isfinite(ratio):
+        hyp_target(ratio, label=label)
+
+
+def _note(text: str) -> None:
+    if currently_in_test_context():
+        note(text)
+
+
+def _require_written(out: torch.Tensor, record: dict, what: str = "output") -> None:
+    """Every element written: the harness poisons outputs and workspaces with NaN."""
+    bad = torch.isnan(out)
+    if bool(bad.any()):
+        first = bad.nonzero()[0].tolist()
+        raise PropertyViolation(f"{int(bad.sum())} of {out.numel()} {what} elements are NaN "
+                                f"(unwritten or poisoned workspace), first at {first}", record)
+
+
+def _oracles(problem: Problem, table=None) -> tuple[torch.Tensor, torch.Tensor]:
+    table = problem.table if table is None else table
+    ref = expert_reference(problem.x, table, problem.weights, problem.config, precision="float64")
+    base = expert_reference(problem.x, table, problem.weights, problem.config, precision="bf16")
+    return ref, base
+
+
+def _accumulate_dtype(impl: Implementation) -> torch.dtype:
+    return torch.float64 if impl.precision == "float64" else torch.float32
+
+
+def _run(target: Target, problem: Problem) -> torch.Tensor:
+    return run_poisoned(target.impl, problem)
+
+
+def _first_mismatch(mask: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> str:
+    idx = mask.nonzero()[0].tolist()
+    return (f"{int(mask.sum())} of {mask.numel()} elements differ, first at {idx}: "
+            f"{float(a[tuple(idx)]):.6g} vs {float(b[tuple(idx)]):.6g}")
+
+
+def _differential(target: Target, problem: Problem, out: torch.Tensor, record: dict, label: str) -> dict:
+    ref, base = _oracles(problem)
+    if not bool(torch.isfinite(ref).all()):
+        # The strategies keep inputs finite; an overflowing oracle means the case is invalid.
+        if currently_in_test_context():
+            reject()
+        raise ValueError(f"invalid case: the float64 reference is not finite ({record['case']})")
+    report = differential_report(out, ref, base, out.dtype)
+    _push(report.ratio, label)
+    _note(f"{label}: {report.describe()}")
+    if not report.ok:
+        raise PropertyViolation(f"error above bound: {report.describe()}", record, report.as_dict())
+    return report.as_dict()
+
+
+# -- the properties -----------------------------------------------------------------------------------
+def check_differential(target: Target, case: ExpertCase) -> dict:
+    record = _record("differential", target, case)
+    with in_flight(record):
+        problem = build_problem(case, target.device)
+        out = _run(target, problem)
+        _require_written(out, record)
+        return _differential(target, problem, out, record, "error/bound")
+
+
+def check_token_permutation(target: Target, case: ExpertCase, *, perm_seed: int) -> dict:
+    record = _record("token_permutation", target, case, perm_seed=perm_seed)
+    with in_flight(record):
+        p = build_problem(case, target.device)
+        S = case.num_tokens
+        perm = torch.randperm(S, generator=torch.Generator().manual_seed(perm_seed)).to(p.x.device)
+        routes = Routes(p.routes.expert_ids[perm], p.routes.probs[perm])
+        table = drop_banks(build_route_table(routes, case.config), case.empty_banks)
+        permuted = Problem(case.config, p.x[perm], p.gate, p.bias, p.weights, routes, table)
+        out = _run(target, p)
+        out_perm = _run(target, permuted)
+        _require_written(out, record)
+        _require_written(out_perm, record, "permuted output")
+        bad = rounding_mismatch(out_perm, out[perm], out_dtype=case.config.dtype,
+                                accumulate_dtype=_accumulate_dtype(target.impl))
+        if bool(bad.any()):
+            raise PropertyViolation("permuting tokens did not permute the output: "
+                                    + _first_mismatch(bad, out_perm, out[perm]), record)
+        return {"tokens": S}
+
+
+def check_head_locality(target: Target, case: ExpertCase, *, head: int, seed: int) -> dict:
+    """Redraw everything outside ``head`` (its x slices, banks and routes): ``head``'s output
+    must not move."""
+    cfg = case.config
+    head = head % cfg.num_heads
+    record = _record("head_locality", target, case, head=head, seed=seed)
+    with in_flight(record):
+        p = build_problem(case, target.device)
+        H, E, K, Dh = cfg.num_heads, cfg.num_experts, cfg.top_k, cfg.head_dim
+        gen = torch.Generator().manual_seed(seed)
+        others = [h for h in range(H) if h != head]
+        x = p.x.clone()
+        ids, probs = p.routes.expert_ids.clone(), p.routes.probs.clone()
+        weights = [w.clone() for w in p.weights]
+        S = case.num_tokens
+        for h in others:
+            cols = slice(h * Dh, (h + 1) * Dh)
+            x[:, cols] = (x[:, cols].float().flip(0) * 0.5
+                          + torch.randn(S, Dh, generator=gen).to(x.device)).to(x.dtype)
+            banks = slice(h * E, (h + 1) * E)
+            for w in weights:
+                w[banks] = (w[banks].float() * -1.5).to(w.dtype)
+            keys = torch.rand(S, E, generator=gen)
+            ids[:, h] = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :K].to(ids.device)
+            probs[:, h] = torch.rand(S, K, generator=gen).to(probs.device)
+        routes = Routes(ids, probs)
+        table = drop_banks(build_route_table(routes, cfg), case.empty_banks)
+        other = Problem(cfg, x, p.gate, p.bias, type(p.weights)(*weights), routes, table)
+        out, out_other = _run(target, p), _run(target, other)
+        _require_written(out, record)
+        _require_written(out_other, record, "perturbed output")
+        cols = slice(head * Dh, (head + 1) * Dh)
+        bad = rounding_mismatch(out_other[:, cols], out[:, cols], out_dtype=cfg.dtype,
+                                accumulate_dtype=_accumulate_dtype(target.impl))
+        if bool(bad.any()):
+            raise PropertyViolation(f"head {head}'s output changed when only other heads' inputs, "
+                                    "banks and routes changed: "
+                                    + _first_mismatch(bad, out_other[:, cols], out[:, cols]), record)
+        return {"head": head}
+
+
+def check_linearity(target: Target, case: ExpertCase) -> dict:
+    record = _record("linearity", target, case)
+    with in_flight(record):
+        p = build_problem(case, target.device)
+        limit = torch.finfo(case.config.dtype).max / 4
+        doubled_table = dataclasses.replace(p.table, sorted_probs=p.table.sorted_probs * 2)
+        doubled = Problem(p.config, p.x, p.gate, p.bias, p.weights, p.routes, doubled_table)
+        out, out2 = _run(target, p), _run(target, doubled)
+        _require_written(out, record)
+        _require_written(out2, record, "doubled output")
+        if out.numel() and float(out.double().abs().max()) > limit:
+            event("linearity: skipped, output near the dtype's range")
+            return {"skipped": "near overflow"}
+        twice = out.double() * 2  # exact: doubling a finite float never rounds below overflow
+        exact = target.impl.precision == "float64" or target.impl.deterministic
+        if exact:
+            bad = out2.double() != twice
+        else:
+            bad = rounding_mismatch(out2, twice, out_dtype=case.config.dtype,
+                                    accumulate_dtype=_accumulate_dtype(target.impl))
+        if bool(bad.any()):
+            how = "exactly" if exact else "within rounding"
+            raise PropertyViolation(f"doubling the routing weights did not double the output {how}: "
+                                    + _first_mismatch(bad, out2.double(), twice), record)
+        return {"exact": exact}
+
+
+def _routed_pairs(table, num_tokens: int, num_heads: int, top_k: int) -> torch.Tensor:
+    """Boolean ``[S, H]``: does (token, head) keep at least one route?"""
+    has = torch.zeros(num_tokens * num_heads, dtype=torch.bool, device=table.route_slots.device)
+    has[table.route_slots // top_k] = True
+    return has.view(num_tokens, num_heads)
+
+
+def check_empty_experts(target: Target, case: ExpertCase) -> dict:
+    cfg = case.config
+    record = _record("empty_experts", target, case)
+    with in_flight(record):
+        p = build_problem(case, target.device)
+        out = _run(target, p)
+        _require_written(out, record)
+        S, H, Dh = case.num_tokens, cfg.num_heads, cfg.head_dim
+        unrouted = ~_routed_pairs(p.table, S, H, cfg.top_k)
+        per_pair = out.view(S, H, Dh)
+        nonzero = unrouted[:, :, None] & (per_pair != 0)
+        if bool(nonzero.any()):
+            s, h, d = nonzero.nonzero()[0].tolist()
+            raise PropertyViolation(
+                f"token {s} head {h} has no route (banks {list(case.empty_banks)} emptied) but its "
+                f"output is nonzero: y[{s}, {h * Dh + d}] = {float(per_pair[s, h, d]):.6g} "
+                f"({int(nonzero.any(-1).sum())} such (token, head) pairs)", record)
+        metrics = _differential(target, p, out, record, "empty-experts error/bound")
+        metrics["unrouted_pairs"] = int(unrouted.sum())
+        return metrics
+
+
+def check_zero_tokens(target: Target, case: ExpertCase) -> dict:
+    """Zero tokens, and the same layer with every expert empty: nothing to do, exactly zeros."""
+    cfg = case.config
+    record = _record("zero_tokens", target, case)
+    with in_flight(record):
+        for sub, what in ((dataclasses.replace(case, num_tokens=0, empty_banks=()), "zero tokens"),
+                          (dataclasses.replace(case, empty_banks=tuple(range(cfg.num_banks))), "all experts empty")):
+            p = build_problem(sub, target.device)
+            out = _run(target, p)
+            if tuple(out.shape) != (sub.num_tokens, cfg.hidden_size):
+                raise PropertyViolation(f"{what}: output shape {tuple(out.shape)}, expected "
+                                        f"{(sub.num_tokens, cfg.hidden_size)}", record)
+            _require_written(out, record, f"{what} output")
+            if bool((out != 0).any()):
+                raise PropertyViolation(f"{what}: output is not all zero (max |y| = "
+                                        f"{float(out.abs().max()):.6g})", record)
+        return {}
+
+
+def check_deterministic(target: Target, case: ExpertCase, *, runs: int = 3) -> dict:
+    """Bitwise identical output run after run, and (on the CPU) with one thread or several."""
+    record = _record("deterministic", target, case, runs=runs)
+    with in_flight(record):
+        p = build_problem(case, target.device)
+        first = _run(target, p)
+        _require_written(first, record)
+        threads = torch.get_num_threads()
+        settings = [threads] * max(1, runs - 1) + ([1] if target.device == "cpu" and threads > 1 else [])
+        for i, n in enumerate(settings):
+            torch.set_num_threads(n)
+            try:
+                again = _run(target, p)
+            finally:
+                torch.set_num_threads(threads)
+            same = (again == first) | (torch.isnan(again) & torch.isnan(first))
+            if not bool(same.all()):
+                raise PropertyViolation(f"run {i + 2} (threads={n}) differs bitwise from run 1: "
+                                        + _first_mismatch(~same, again, first), record)
+        return {"runs": len(settings) + 1}
+
+
+def _brute_force_ranking(values: list[float], top_k: int) -> list[int]:
+    """The tie rule in plain Python: highest first, lower index first among equals, NaN last."""
+    def key(e):
+        v = values[e]
+        return (1, 0.0, e) if math.isnan(v) else (0, -v, e)
+    return sorted(range(len(values)), key=key)[:top_k]
+
+
+def _near_tie(a: float, b: float) -> bool:
+    """Closer than fp32 rounding of the router's arithmetic (a few ulps): a near-tie, reported,
+    not a failure (SPEC section 1)."""
+    if math.isnan(a) or math.isnan(b) or math.isinf(a) or math.isinf(b):
+        return False
+    return abs(a - b) <= 16 * unit_roundoff(torch.float32) * max(abs(a), abs(b), 2.0**-10)
+
+
+def check_tie_rule(router: str, case: TieCase, *, device: str = "cpu") -> dict:
+    """``router`` (``package.module:attr``) against a brute-force ranking of the selection scores
+    it must have used: ``scores + bias`` in fp32 from ``magi_moe.routing``'s own functions."""
+    cfg = case.config
+    record = {"property": "tie_rule", "router": router, "backend": device,
+              "case": case_to_dict(case), "params": {}}
+    with in_flight(record):
+        route_fn = load_router(router)
+        x, gate, bias = build_router_inputs(case, device)
+        routes = route_fn(x, gate, bias, cfg)
+        H, E, K, S = cfg.num_heads, cfg.num_experts, cfg.top_k, case.num_tokens
+        if tuple(routes.expert_ids.shape) != (S, H, K):
+            raise PropertyViolation(f"expert_ids has shape {tuple(routes.expert_ids.shape)}, expected "
+                                    f"{(S, H, K)}", record)
+        scores = scores_from_logits(router_logits(x, gate, cfg, torch.float32), cfg.score_func)
+        selection = scores if bias is None else scores + bias.reshape(H, E).float()
+        sel, got = selection.cpu().tolist(), routes.expert_ids.cpu().tolist()
+        near_ties = exact_ties = 0
+        for s in range(S):
+            for h in range(H):
+                values, chosen = sel[s][h], got[s][h]
+                expected = _brute_force_ranking(values, K)
+                exact_ties += len(values) - len(set(v for v in values if not math.isnan(v)))
+                if chosen == expected:
+                    continue
+                j = next(i for i in range(K) if chosen[i] != expected[i])
+                a, b = chosen[j], expected[j]
+                if not (0 <= a < E) or len(set(chosen)) != K:
+                    raise PropertyViolation(f"token {s} head {h}: chose {chosen}, not {K} distinct "
+                                            f"experts in [0, {E})", record)
+                va, vb = values[a], values[b]
+                if va == vb or (math.isnan(va) and math.isnan(vb)):
+                    raise PropertyViolation(
+                        f"token {s} head {h}: place {j} went to expert {a} over expert {b} with the "
+                        f"same selection score {va!r}; ties must go to the lower index "
+                        f"(chose {chosen}, expected {expected})", record)
+                if _near_tie(va, vb):
+                    near_ties += 1
+                    continue
+                raise PropertyViolation(
+                    f"token {s} head {h}: place {j} went to expert {a} (score {va!r}) over expert "
+                    f"{b} (score {vb!r}): chose {chosen}, expected {expected}", record)
+        if near_ties:
+            event(f"tie_rule: {near_ties} near-tie disagreements (reported, not failures)")
+        _check_tie_probs(routes, scores, cfg, record)
+        return {"exact_ties": exact_ties, "near_ties": near_ties}
+
+
+def _check_tie_probs(routes: Routes, scores: torch.Tensor, cfg, record: dict) -> None:
+    """Probabilities: the unbiased scores of the chosen experts, L1-normalised, times route_scale."""
+    ids = routes.expert_ids.to(scores.device)
+    chosen = torch.gather(scores.double(), -1, ids)
+    if cfg.route_norm:
+        chosen = chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-12)
+    expected = chosen * cfg.route_scale
+    got = routes.probs.double().to(expected.device)
+    bad = (got - expected).abs() > 1e-5 * expected.abs().clamp_min(1e-6)
+    if bool(bad.any()):
+        raise PropertyViolation("routing probabilities are not the chosen experts' unbiased, "
+                                "normalised, scaled scores: " + _first_mismatch(bad, got, expected), record)
+
+
+def check_huge_offsets(target: Target, case: HugeCase, *, timeout: float = 600) -> dict:
+    """Tokens past 2^31 / row stride through the implementation's launcher, in a child process;
+    on a GPU an implementation without a launcher runs through its forward (real memory)."""
+    record = _record("huge_offsets", target, case)
+    launch = launcher_for(target.impl.name)
+    with in_flight(record):
+        if launch is not None:
+            spec, det = launch
+            result = run_isolated(case, backend=target.backend.name, launcher=spec,
+                                  deterministic=det, timeout=timeout)
+        elif target.backend.name == "cuda":
+            result = run_isolated(case, backend="cuda", impl=target.spec, timeout=timeout)
+        else:
+            return {"skipped": f"{target.impl.name} has no huge-input launcher (fuzz.huge.register_launcher)"}
+        if result.signal_name:
+            raise PropertyViolation(f"the child process died with {result.signal_name} (tokens "
+                                    f"{list(case.tokens)}, row stride {case.config.hidden_size}): an "
+                                    "int32 offset overflow reads a wild address", record,
+                                    {"signal": result.signal_name})
+        if result.returncode != 0 or not result.result:
+            raise PropertyViolation(f"the child process exited with {result.returncode}: "
+                                    f"{result.output_tail[-1500:]}", record)
+        if not result.result["ok"]:
+            raise PropertyViolation(f"wrong rows past 2^31: {result.result['describe']}; guard rows "
+                                    f"intact: {result.result['guard_ok']}", record, result.result)
+        return result.result
+
+
+@dataclass(frozen=True)
+class Property:
+    name: str
+    check: Callable[..., dict]
+    needs: tuple[str, ...] = ()
+
+
+PROPERTIES: dict[str, Property] = {p.name: p for p in (
+    Property("differential", check_differential),
+    Property("tie_rule", check_tie_rule),
+    Property("token_permutation", check_token_permutation),
+    Property("head_locality", check_head_locality),
+    Property("linearity", check_linearity),
+    Property("empty_experts", check_empty_experts),
+    Property("zero_tokens", check_zero_tokens),
+    Property("deterministic", check_deterministic, needs=("deterministic",)),
+    Property("huge_offsets", check_huge_offsets, needs=("int64_offsets",)),
+)}
+
+
+def replay(record: dict) -> dict:
+    """Run the check a record names, on its case and parameters; raises on failure."""
+    from .cases import case_from_dict
+
+    name = record.get("property")
+    if name not in PROPERTIES:
+        raise ValueError(f"record property must be one of {sorted(PROPERTIES)}, got {name!r}")
+    case = case_from_dict(record["case"])
+    params = record.get("params", {})
+    if name == "tie_rule":
+        device = "cuda" if record.get("backend") == "cuda" else "cpu"
+        return check_tie_rule(record.get("router", DEFAULT_ROUTER), case, device=device, **params)
+    target = make_target(record["impl"], record["backend"])
+    why = target.backend.unavailable_reason()
+    if why:
+        raise RuntimeError(f"cannot replay on backend {target.backend.name}: {why}")
+    return PROPERTIES[name].check(target, case, **params)
+

@@ -1,0 +1,162 @@
+"""Failure records, one-line reproduction commands, and the flight recorder.
+
+A *record* is a JSON-ready dict naming everything a check needs to run again exactly::
+
+    {"property": "differential", "impl": "native", "backend": "interpret",
+     "case": {...}, "params": {...}}          # or "router": "pkg.mod:fn" instead of impl
+
+``python -m fuzz replay '<record json>'`` (or a path to a saved record) replays it.
+
+The flight recorder is how a campaign survives a case that kills its process (a segfault under
+the interpreter, an illegal memory access on a GPU, a hang): before each case the worker writes the
+record to ``<dir>/inflight-<pid>.json`` and removes it afterwards, so a record still there once
+the worker is gone names the case that killed it. A CUDA error poisons the process's context, so
+in a campaign the worker marks the record as a device fault and exits at once; pytest-xdist then
+starts a fresh worker and the campaign goes on.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from hypothesis.errors import HypothesisException
+
+from .cases import dumps
+
+__all__ = [
+    "DEVICE_FAULT_EXIT", "DeviceFault", "PropertyViolation", "configure_flight_recorder",
+    "cases_started", "in_flight", "is_device_fault", "repro_command", "save_failure", "save_record",
+]
+
+DEVICE_FAULT_EXIT = 75  # worker exit status after a device fault (EX_TEMPFAIL)
+_DEVICE_FAULT_MARKERS = ("illegal memory access", "device-side assert", "cuda error",
+                         "unspecified launch failure", "misaligned address", "acceleratorerror")
+
+_flight_dir: Path | None = None
+_exit_on_device_fault = False
+_cases_started = 0
+
+
+def cases_started() -> int:
+    """Cases this process has started (the campaign's progress counter)."""
+    return _cases_started
+
+
+def repro_command(record: dict) -> str:
+    """The one-line shell command that replays ``record`` exactly."""
+    return f"python -m fuzz replay {shlex.quote(dumps(record))}"
+
+
+def _who(record: dict) -> str:
+    if record.get("router"):
+        return f"router {record['router']}"
+    return f"{record.get('impl')}@{record.get('backend')}"
+
+
+class PropertyViolation(AssertionError):
+    """A property failed on one case. ``record`` replays it; ``metrics`` holds the numbers."""
+
+    def __init__(self, message: str, record: dict, metrics: dict | None = None):
+        self.record = record
+        self.metrics = metrics or {}
+        self.reason = message
+        super().__init__(f"{record.get('property')} violated by {_who(record)}: {message}\n"
+                         f"  reproduce: {repro_command(record)}")
+
+
+class DeviceFault(RuntimeError):
+    """The device reported a fault (illegal address, device assert): its context is unusable."""
+
+    def __init__(self, message: str, record: dict):
+        self.record = record
+        super().__init__(f"device fault in {record.get('property')} on {_who(record)}: {message}\n"
+                         f"  reproduce: {repro_command(record)}")
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__}: {exc}".lower()
+    return any(marker in text for marker in _DEVICE_FAULT_MARKERS)
+
+
+def configure_flight_recorder(directory: str | os.PathLike | None, *, exit_on_device_fault: bool = False) -> None:
+    """Turn the flight recorder on (a directory) or off (None). Campaign workers set
+    ``exit_on_device_fault`` so a poisoned CUDA context is never reused."""
+    global _flight_dir, _exit_on_device_fault
+    _flight_dir = Path(directory) if directory is not None else None
+    if _flight_dir is not None:
+        _flight_dir.mkdir(parents=True, exist_ok=True)
+    _exit_on_device_fault = exit_on_device_fault
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # atomic: a reader never sees half a record
+
+
+def save_record(directory: str | os.PathLike, record: dict, *, kind: str, message: str,
+                extra: dict | None = None) -> Path:
+    """Save a failure record as ``<directory>/<property>-<hash>.json`` and return the path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha1(dumps(record).encode()).hexdigest()[:10]
+    path = directory / f"{record.get('property', 'case')}-{digest}.json"
+    payload = {"kind": kind, "message": message, "record": record,
+               "repro": repro_command(record), **(extra or {})}
+    _write_json(path, payload)
+    return path
+
+
+def save_failure(directory: str | os.PathLike, nodeid: str, *, message: str, repro: str,
+                 extra: dict | None = None) -> Path:
+    """Save a failure that has no case record (e.g. a state machine's): it replays by node id."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha1(nodeid.encode()).hexdigest()[:10]
+    path = directory / f"node-{digest}.json"
+    _write_json(path, {"kind": "failure", "message": message, "nodeid": nodeid, "repro": repro,
+                       **(extra or {})})
+    return path
+
+
+def flight_path() -> Path | None:
+    return None if _flight_dir is None else _flight_dir / f"inflight-{os.getpid()}.json"
+
+
+@contextlib.contextmanager
+def in_flight(record: dict):
+    """Run one case under ``record``: any exception that is not a property violation or a
+    Hypothesis control exception becomes a :class:`PropertyViolation` carrying the record, so
+    every failure prints its reproduction; a device fault becomes :class:`DeviceFault` (or, in a
+    campaign worker, a left-behind record and an immediate exit)."""
+    global _cases_started
+    _cases_started += 1
+    path = flight_path()
+    if path is not None:
+        _write_json(path, {"record": record, "pid": os.getpid(), "started": time.time(),
+                           "status": "running", "repro": repro_command(record)})
+    try:
+        yield
+    except (PropertyViolation, HypothesisException):
+        raise
+    except Exception as exc:
+        if is_device_fault(exc):
+            if path is not None and _exit_on_device_fault:
+                _write_json(path, {"record": record, "pid": os.getpid(), "started": time.time(),
+                                   "status": "device-fault", "message": f"{type(exc).__name__}: {exc}",
+                                   "repro": repro_command(record)})
+                sys.stderr.write(f"fuzz: device fault, worker exits: {exc}\n")
+                sys.stderr.flush()
+                os._exit(DEVICE_FAULT_EXIT)
+            raise DeviceFault(f"{type(exc).__name__}: {exc}", record) from exc
+        raise PropertyViolation(f"raised {type(exc).__name__}: {exc}", record) from exc
+    finally:  # the case finished (passed or failed) and the process lives: nothing in flight
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()

@@ -1,0 +1,47 @@
+"""Weight-version swaps (fuzz.stateful) against the cache protocol.
+
+The toy snapshot cache (tests/fuzz_broken.py) must pass; implementations that declare a weight
+cache (the fused path) run the same machine through ``MagiMoE(config, impl=...)``. The stale
+toy cache being caught is in tests/test_fuzz_broken.py."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from fuzz import fuzzers, profiles
+from fuzz.properties import campaign_target
+from fuzz.stateful import CHANGES, EXPERT_PARAMS, layer_factory_for, weight_swap_machine
+from magi_moe.config import preset
+from tests.fuzz_broken import snapshot_cache_layer
+
+CONFIG = preset("tiny")
+# What each cache packs (a change elsewhere must not repack): the fused bank holds gate and up.
+PACKED = {"fused": ("W_gate", "W_up")}
+
+TestSnapshotCacheSwaps = weight_swap_machine(snapshot_cache_layer, config=CONFIG).TestCase
+TestSnapshotCacheSwaps.settings = settings(profiles.examples(1.0), stateful_step_count=20)
+
+
+@campaign_target
+@pytest.mark.needs("weight_cache")
+def test_weight_swaps(impl_backend, pytestconfig):
+    target = fuzzers.pytest_target(impl_backend, pytestconfig, "differential")
+    machine = weight_swap_machine(layer_factory_for(target.spec), config=CONFIG, device=target.device,
+                                  packed=PACKED.get(target.impl.name, EXPERT_PARAMS))
+    run_state_machine_as_test(machine, settings=settings(profiles.examples(0.5), stateful_step_count=10))
+
+
+def test_machine_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="layer_factory"):
+        weight_swap_machine(None, config=CONFIG)
+    with pytest.raises(TypeError, match="config"):
+        weight_swap_machine(snapshot_cache_layer, config="tiny")
+    with pytest.raises(ValueError, match="packed"):
+        weight_swap_machine(snapshot_cache_layer, config=CONFIG, packed=("W_nope",))
+
+
+def test_every_spec_change_route_is_a_rule():
+    machine = weight_swap_machine(snapshot_cache_layer, config=CONFIG)
+    for how in CHANGES + ("invalidate",):
+        assert callable(getattr(machine, f"_{how}", None)), how
