@@ -167,23 +167,36 @@ def make_paths(problem: Problem, names: tuple[str, ...]) -> dict[str, Callable[[
 
 
 def parity(problem: Problem, fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, dict]:
-    """Relative L2 error of every expert/layer path against float64 on the same routes (the
-    layer paths route themselves; a route that differs from the torch router is counted)."""
+    """Relative L2 error of every expert/layer path against float64 on the routes it used: the
+    problem's table for kernel-level paths and the torch-routed layer, the fused router's own
+    table for ``fused-layer`` (whose route differences from the torch router are counted, with
+    the largest float64 selection-score gap among them: a near-tie is a gap at fp32 rounding)."""
     from .kernels.fused_routing import fused_route
+    from .routing import router_logits, scores_from_logits
 
-    p = problem
-    ref = expert_reference(p.x, p.table, p.weights, p.config, precision="float64")
+    p, cfg = problem, problem.config
+    ref = expert_reference(p.x, p.table, p.weights, cfg, precision="float64")
     report: dict[str, dict] = {"reference_rms": float(ref.pow(2).mean().sqrt())}
     for name, fn in fns.items():
         if name in ROUTING_PATHS:
             continue
         out = fn().clone()
-        entry = {"rel_l2": relative_l2(out, ref), "max_abs": float((out.double() - ref).abs().max()),
-                 "nan": bool(torch.isnan(out).any())}
+        want = ref
+        entry: dict = {}
         if name == "fused-layer":
-            routes = fused_route(p.x, p.gate, p.bias, p.config)
-            entry["route_mismatches"] = int(
-                (routes.expert_ids.long() != p.routes.expert_ids).any(-1).sum())
+            routes = fused_route(p.x, p.gate, p.bias, cfg)
+            want = expert_reference(p.x, routes.table, p.weights, cfg, precision="float64")
+            ids, torch_ids = routes.expert_ids.long(), p.routes.expert_ids
+            differ = (ids != torch_ids).any(-1)
+            entry["route_mismatches"] = int(differ.sum())
+            if entry["route_mismatches"]:
+                sel = scores_from_logits(router_logits(p.x, p.gate, cfg, torch.float64),
+                                         cfg.score_func) + p.bias.view(cfg.num_heads, -1).double()
+                picked = torch.gather(sel, -1, ids).sum(-1)
+                torch_picked = torch.gather(sel, -1, torch_ids).sum(-1)
+                entry["max_mismatch_gap"] = float((picked - torch_picked)[differ].abs().max())
+        entry.update(rel_l2=relative_l2(out, want), max_abs=float((out.double() - want).abs().max()),
+                     nan=bool(torch.isnan(out).any()))
         report[name] = entry
     return report
 
@@ -257,20 +270,43 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
 # ---------------------------------------------------------------------------------------------
 # tile sweep
 # ---------------------------------------------------------------------------------------------
-# (block_m, block_n, block_k, warps, stages) candidates; programs per SM are tried 1 and 2.
+# Gate/up candidates as FusedTiles fields; "kloop" loops over Dh per column tile, "wide" loads a
+# block's x rows once and loops over column tiles; *_flatten pipelines across work items.
+def _gu(variant, bm, bn, bk_or_split, warps, stages, flatten=False) -> dict:
+    tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_warps=warps, gu_stages=stages,
+                 gu_flatten=flatten)
+    tiles["gu_block_k" if variant == "kloop" else "gu_n_split"] = bk_or_split
+    return tiles
+
+
+def _dn(bm, bn, bk, warps, stages, flatten=False) -> dict:
+    return dict(block_m=bm, down_block_n=bn, down_block_k=bk, down_warps=warps,
+                down_stages=stages, down_flatten=flatten)
+
+
 GATE_UP_CANDIDATES = (
-    (64, 64, 64, 4, 3), (64, 64, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 8, 3),
-    (64, 128, 64, 8, 4), (64, 128, 32, 4, 4),
-    (128, 64, 64, 8, 3), (128, 64, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4),
-    (128, 128, 32, 8, 4),
+    # best three of the first sweep (NOTES-perf.md, version 1)
+    _gu("kloop", 64, 128, 32, 4, 4), _gu("kloop", 128, 128, 32, 8, 4), _gu("kloop", 64, 64, 64, 4, 4),
+    # flattened persistent loop
+    _gu("kloop", 64, 128, 32, 4, 3, True), _gu("kloop", 64, 128, 32, 4, 4, True),
+    _gu("kloop", 64, 64, 32, 4, 4, True), _gu("kloop", 64, 128, 64, 8, 3, True),
+    _gu("kloop", 128, 128, 32, 8, 3, True), _gu("kloop", 128, 128, 32, 8, 4, True),
+    _gu("kloop", 128, 64, 64, 8, 4, True),
+    # x rows loaded once per block
+    _gu("wide", 64, 64, 1, 4, 2), _gu("wide", 64, 64, 2, 4, 2), _gu("wide", 64, 32, 1, 4, 3),
+    _gu("wide", 64, 32, 1, 4, 4), _gu("wide", 128, 64, 1, 8, 2), _gu("wide", 128, 32, 1, 8, 3),
+    _gu("wide", 64, 64, 1, 4, 2, True), _gu("wide", 64, 32, 1, 4, 3, True),
 )
 DOWN_CANDIDATES = (
-    (64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 256, 64, 8, 3), (64, 256, 64, 8, 4),
-    (64, 128, 128, 4, 3),
-    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
-    (128, 256, 32, 8, 4),
+    _dn(64, 128, 64, 4, 4), _dn(64, 256, 64, 8, 4), _dn(128, 256, 64, 8, 4), _dn(128, 256, 64, 8, 3),
+    _dn(64, 128, 64, 4, 3, True), _dn(64, 128, 64, 4, 4, True), _dn(128, 128, 64, 8, 3, True),
+    _dn(128, 128, 64, 8, 4, True), _dn(128, 256, 64, 8, 2, True),
 )
+PROGRAMS_PER_SM = (1, 2)
 SUM_CANDIDATES = ((8, 4), (16, 4), (32, 4), (32, 8))
+ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
+    (16, 64, 4, 4), (32, 64, 4, 4), (32, 64, 8, 8), (64, 64, 8, 8), (16, 32, 4, 4), (32, 32, 8, 4),
+)
 
 
 def _time_one(fn: Callable[[], object], *, warmup: int, iters: int, flush_mib: int,
@@ -279,9 +315,20 @@ def _time_one(fn: Callable[[], object], *, warmup: int, iters: int, flush_mib: i
                                 device=device)["k"])["median_ms"]
 
 
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
+    """Same values up to summation order: no NaN, relative L2 difference below ``rtol``."""
+    if bool(torch.isnan(got).any()):
+        return False
+    denom = float(want.double().norm()) or 1.0
+    return float((got.double() - want.double()).norm()) / denom <= rtol
+
+
 def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> dict:
-    """Median ms of every candidate of each fused kernel on this problem (failures recorded)."""
+    """Median ms of every candidate of each fused kernel on this problem. Each candidate's
+    output is checked against the first candidate of its block size (NaN-poisoned first); a
+    candidate that fails to compile, launch or agree is recorded with ``ms: None``."""
     from .kernels import fused as F
+    from .kernels import fused_routing as FR
     from .packed_weights import pack_expert_weights
 
     cfg, table, device = problem.config, problem.table, problem.x.device
@@ -291,49 +338,84 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> 
     rows = torch.empty(R, cfg.head_dim, dtype=torch.float32, device=device)
     slot_route = torch.empty(S * cfg.num_heads * cfg.top_k, dtype=torch.int32, device=device)
     out = torch.empty_like(problem.x)
-    results: dict[str, list] = {"gate_up": [], "down": [], "sum": [], "schedule": {}}
-    for bm in sorted({c[0] for c in GATE_UP_CANDIDATES}):
+    timing = dict(warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
+    results: dict = {"gate_up": [], "down": [], "sum": [], "routing": [], "schedule": {}}
+
+    def attempt(kernel, tiles, launch, check):
+        try:
+            launch()
+            ok = check()
+            ms = _time_one(launch, **timing) if ok else None
+            error = None if ok else "output disagrees"
+        except Exception as exc:  # out of resources, compile errors: record and go on
+            ms, error = None, f"{type(exc).__name__}: {exc}"[:300]
+        results[kernel].append({"tiles": tiles, "ms": ms, **({"error": error} if error else {})})
+        if error:
+            print(f"  {kernel} {tiles}: {error[:160]}", flush=True)
+
+    for bm in sorted({c["block_m"] for c in GATE_UP_CANDIDATES}):
         sched = F.launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws)
         results["schedule"][bm] = _time_one(
-            lambda: F.launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws),
-            warmup=2, iters=iters, flush_mib=flush_mib, device=device)
+            lambda: F.launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws), **timing)
+        live = int(sched.block_count) * bm
         act = torch.empty(sched.max_blocks * bm, cfg.intermediate_size, dtype=cfg.dtype,
                           device=device)
-        for cand in GATE_UP_CANDIDATES:
-            if cand[0] != bm:
-                continue
-            for ppsm in (1, 2):
-                tiles = F.FusedTiles(block_m=bm, gu_block_n=cand[1], gu_block_k=cand[2],
-                                     gu_warps=cand[3], gu_stages=cand[4], gu_programs_per_sm=ppsm)
-                try:
-                    ms = _time_one(lambda: F.launch_gate_up(problem.x, table, packed, cfg, sched,
-                                                            act, tiles),
-                                   warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
-                except Exception as exc:  # out of shared memory, registers: record and go on
-                    ms = None
-                    print(f"  gate_up {cand} x{ppsm}: {type(exc).__name__}: {exc}"[:200])
-                results["gate_up"].append({"tiles": list(cand) + [ppsm], "ms": ms})
-        for cand in DOWN_CANDIDATES:
-            if cand[0] != bm:
-                continue
-            for ppsm in (1, 2):
-                tiles = F.FusedTiles(block_m=bm, down_block_n=cand[1], down_block_k=cand[2],
-                                     down_warps=cand[3], down_stages=cand[4],
-                                     down_programs_per_sm=ppsm)
-                try:
-                    ms = _time_one(lambda: F.launch_down(table, packed, cfg, sched, act, rows,
-                                                         slot_route, tiles),
-                                   warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
-                except Exception as exc:
-                    ms = None
-                    print(f"  down {cand} x{ppsm}: {type(exc).__name__}: {exc}"[:200])
-                results["down"].append({"tiles": list(cand) + [ppsm], "ms": ms})
+        want_act = None
+        for cand in (c for c in GATE_UP_CANDIDATES if c["block_m"] == bm):
+            for ppsm in PROGRAMS_PER_SM:
+                tiles = F.FusedTiles(**cand, gu_programs_per_sm=ppsm)
+
+                def check():
+                    nonlocal want_act
+                    got = act[:live].clone()
+                    act.fill_(float("nan"))
+                    F.launch_gate_up(problem.x, table, packed, cfg, sched, act, tiles)
+                    if want_act is None:
+                        want_act = act[:live].clone()
+                    return _close(act[:live], want_act, 2e-3) and _close(got, want_act, 2e-3)
+                attempt("gate_up", {**cand, "gu_programs_per_sm": ppsm},
+                        lambda: F.launch_gate_up(problem.x, table, packed, cfg, sched, act, tiles),
+                        check)
+        want_rows = None
+        for cand in (c for c in DOWN_CANDIDATES if c["block_m"] == bm):
+            for ppsm in PROGRAMS_PER_SM:
+                tiles = F.FusedTiles(**cand, down_programs_per_sm=ppsm)
+
+                def check():
+                    nonlocal want_rows
+                    rows.fill_(float("nan"))
+                    F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles)
+                    if want_rows is None:
+                        want_rows = rows.clone()
+                    return _close(rows, want_rows, 1e-5)
+                attempt("down", {**cand, "down_programs_per_sm": ppsm},
+                        lambda: F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles),
+                        check)
     for bt, warps in SUM_CANDIDATES:
         tiles = F.FusedTiles(sum_block_t=bt, sum_warps=warps)
-        ms = _time_one(lambda: F.launch_topk_sum(rows, slot_route, out, cfg, tiles),
-                       warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
-        results["sum"].append({"tiles": [bt, warps], "ms": ms})
+        attempt("sum", {"sum_block_t": bt, "sum_warps": warps},
+                lambda: F.launch_topk_sum(rows, slot_route, out, cfg, tiles), lambda: True)
+    want_ids = None
+    for bs, bd, warps, pwarps in ROUTING_CANDIDATES:
+        rt = FR.RoutingTiles(block_s=bs, block_d=bd, warps=warps, place_warps=pwarps)
+
+        def route_once():
+            return FR.fused_route(problem.x, problem.gate, problem.bias, cfg, block_m=64,
+                                  workspace=ws, tiles=rt)
+
+        def check():  # the same tables, but for a near-tie flipped by the summation order
+            nonlocal want_ids
+            fr = route_once()
+            if want_ids is None:
+                want_ids = fr.table.route_slots.clone()
+            return float((fr.table.route_slots == want_ids).double().mean()) >= 0.999
+        attempt("routing", {"block_s": bs, "block_d": bd, "warps": warps, "place_warps": pwarps},
+                route_once, check)
     return results
+
+
+def _key(tiles: dict) -> tuple:
+    return tuple(sorted(tiles.items()))
 
 
 def _normalised(sweeps: list[dict], kernel: str) -> dict[tuple, float]:
@@ -345,7 +427,7 @@ def _normalised(sweeps: list[dict], kernel: str) -> dict[tuple, float]:
         ok = [e["ms"] for e in sweep[kernel] if e["ms"] is not None]
         fastest = min(ok) if ok else 1.0
         for e in sweep[kernel]:
-            key = tuple(e["tiles"])
+            key = _key(e["tiles"])
             if e["ms"] is None:
                 failed.add(key)
             else:
@@ -353,8 +435,8 @@ def _normalised(sweeps: list[dict], kernel: str) -> dict[tuple, float]:
     return {k: v for k, v in scores.items() if k not in failed}
 
 
-def _ms(sweep: dict, kernel: str, tiles: tuple) -> float:
-    return next(e["ms"] for e in sweep[kernel] if tuple(e["tiles"]) == tiles)
+def _ms(sweep: dict, kernel: str, key: tuple) -> float:
+    return next(e["ms"] for e in sweep[kernel] if _key(e["tiles"]) == key)
 
 
 def best_tiles(sweeps: list[dict]):
@@ -364,18 +446,20 @@ def best_tiles(sweeps: list[dict]):
 
     gu, dn, sm = (_normalised(sweeps, k) for k in ("gate_up", "down", "sum"))
     best = None
-    for bm in sorted({k[0] for k in gu} & {k[0] for k in dn}):
-        g = min((v, k) for k, v in gu.items() if k[0] == bm)[1]
-        d = min((v, k) for k, v in dn.items() if k[0] == bm)[1]
+    for bm in sorted({dict(k)["block_m"] for k in gu} & {dict(k)["block_m"] for k in dn}):
+        g = min((v, k) for k, v in gu.items() if dict(k)["block_m"] == bm)[1]
+        d = min((v, k) for k, v in dn.items() if dict(k)["block_m"] == bm)[1]
         total = sum(_ms(s, "gate_up", g) + _ms(s, "down", d) for s in sweeps)
         if best is None or total < best[0]:
             best = (total, g, d)
     _, g, d = best
     st = min((v, k) for k, v in sm.items())[1]
-    return FusedTiles(block_m=g[0], gu_block_n=g[1], gu_block_k=g[2], gu_warps=g[3],
-                      gu_stages=g[4], gu_programs_per_sm=g[5], down_block_n=d[1],
-                      down_block_k=d[2], down_warps=d[3], down_stages=d[4],
-                      down_programs_per_sm=d[5], sum_block_t=st[0], sum_warps=st[1])
+    return FusedTiles(**{**dict(g), **dict(d), **dict(st)})
+
+
+def best_routing(sweeps: list[dict]) -> dict:
+    scores = _normalised(sweeps, "routing")
+    return dict(min((v, k) for k, v in scores.items())[1])
 
 
 def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iters: int,
@@ -401,13 +485,18 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
     for i, c in enumerate(centres):
         edge = math.sqrt(c * centres[i + 1]) if i + 1 < len(centres) else None
         classes.append((edge, best_tiles(groups[c])))
-    summary = {"per_case": per_case,
+    routing = best_routing([e["sweep"] for e in per_case.values()])
+    summary = {"per_case": per_case, "routing": routing,
                "classes": [{"max_routes_per_bank": e, "tiles": asdict(t)} for e, t in classes]}
     if write and device.type == "cuda":
+        from .kernels.fused_routing import choose_routing_tiles
+
         name = torch.cuda.get_device_name(device)
         match = "H200" if "H200" in name else name
-        path = write_tile_table(match, classes, note=f"swept on {name} by magi_moe.benchmark "
-                                f"--sweep, {time.strftime('%Y-%m-%d')}")
+        path = write_tile_table(match, classes, routing=routing,
+                                note=f"swept on {name} by magi_moe.benchmark --sweep, "
+                                     f"{time.strftime('%Y-%m-%d')}")
+        choose_routing_tiles.cache_clear()
         summary["written"] = str(path)
     return summary
 

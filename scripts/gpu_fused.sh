@@ -3,11 +3,13 @@
 #
 #   scripts/gpu_fused.sh [sweep|bench]     (default: sweep)
 #
-# 1. the CUDA cases of tests/test_fused.py, tests/test_packed_weights.py and the implementation
-#    matrix for fused/native (production shapes, determinism, no host sync, no allocation);
-# 2. sweep: the tile sweep over the four ANCHORS.md cases, written to
-#    magi_moe/kernels/tiles/fused.json, then the benchmark; bench: the benchmark with the
-#    committed tile table and the pytest-benchmark GPU cases.
+# sweep: the tile sweep over the four ANCHORS.md cases (every candidate's output checked
+#        against a reference candidate), written to magi_moe/kernels/tiles/fused.json, then the
+#        benchmark with those tiles, then the CUDA tests;
+# bench: the benchmark with the committed tile table, the CUDA tests and the pytest-benchmark
+#        GPU cases.
+# CUDA tests: tests/test_fused.py, tests/test_packed_weights.py and the implementation matrix
+# for fused (production shapes, determinism, no host sync, no allocation once warm).
 # Results go to $OUT (or ./gpu-out): logs, the benchmark JSON and the tile table.
 set -uo pipefail
 MODE=${1:-sweep}
@@ -16,24 +18,27 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
+PATHS=native,native-det,fused,fused-layer,native-layer,routing,fused-routing
 
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
 
-timeout 200 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" \
-    tests/test_fused.py tests/test_packed_weights.py \
-    tests/test_implementations.py --impl fused --impl native-det 2>&1 | tail -40 | tee "$OUT/tests.log"
-
-PATHS=native,native-det,fused,fused-layer,native-layer,routing,fused-routing
 if [ "$MODE" = sweep ]; then
-  timeout 360 $PY -m magi_moe.benchmark --anchors --sweep --write-tiles --paths $PATHS \
-      --iters 100 --warmup 10 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+  timeout 330 $PY -m magi_moe.benchmark --anchors --sweep --write-tiles --paths $PATHS \
+      --iters 100 --warmup 10 --rounds 2 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
   cp magi_moe/kernels/tiles/fused.json "$OUT/fused.json" 2>/dev/null
 else
-  timeout 300 $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \
+  timeout 240 $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \
       --rounds 3 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
-  timeout 200 $PY -m pytest -q -p no:cacheprovider tests/benchmarks -m cuda \
+fi
+
+timeout 180 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" \
+    tests/test_fused.py tests/test_packed_weights.py \
+    tests/test_implementations.py --impl fused 2>&1 | tail -30 | tee "$OUT/tests.log"
+
+if [ "$MODE" != sweep ]; then
+  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/benchmarks -m cuda \
       --benchmark-json "$OUT/pytest-bench.json" 2>&1 | tail -30 | tee "$OUT/pytest-bench.log"
 fi

@@ -147,6 +147,23 @@ def test_packed_and_plain_weights_give_the_same_bits(device):
     assert torch.equal(poisoned_forward(problem), poisoned_forward(problem, packed))
 
 
+@pytest.mark.parametrize("variant", [
+    dict(gu_variant="kloop", gu_block_n=32, gu_block_k=16, down_block_n=16, down_block_k=32),
+    dict(gu_variant="wide", gu_block_n=16, gu_n_split=2, gu_flatten=True, down_flatten=True),
+    dict(gu_variant="wide", block_m=32, gu_block_n=32, gu_n_split=1),
+], ids=["kloop-small-tiles", "wide-split-flatten", "wide-bm32"])
+@pytest.mark.parametrize("head_dim", [32, 48])  # 48: the wide kernel masks its padded width
+def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
+    fused = F()
+    cfg = MoEConfig(num_heads=2, head_dim=head_dim, num_experts=4, top_k=2, intermediate_size=64)
+    problem = random_problem(cfg, 37, seed=head_dim, device=device)
+    tiles = fused.FusedTiles(**{**vars(fused.INTERPRETER_TILES), **variant}).fitted(cfg)
+    out = torch.full_like(problem.x, float("nan"))
+    fused.fused_forward(problem.x, problem.table, problem.weights, cfg, out=out, tiles=tiles,
+                        workspace=fused.FusedWorkspace(device))
+    assert_close_to_oracle(out, problem)
+
+
 def test_fp16(device):
     problem = random_problem(preset("tiny").replace(dtype=torch.float16), 50, seed=13, device=device)
     assert_close_to_oracle(poisoned_forward(problem), problem)

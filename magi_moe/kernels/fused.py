@@ -157,11 +157,12 @@ def gate_up_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" when UPCAST: fp32 operands must not drop to tf32
+    FLATTEN: tl.constexpr = False,  # ask the compiler to pipeline across work items
 ):
     # Persistent: the grid is sized on the host, the work (live blocks x N tiles) on the device.
     num_n: tl.constexpr = INTER // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), flatten=FLATTEN):
         block = item // num_n
         n_block = item % num_n
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
@@ -212,6 +213,74 @@ def gate_up_kernel(
 
 
 @triton.jit
+def gate_up_wide_kernel(
+    # pointers (as gate_up_kernel)
+    x_ptr, w_gate_ptr, w_up_ptr, gather_ptr, offsets_ptr,
+    block_bank_ptr, block_start_ptr, block_count_ptr, act_ptr,
+    # strides and sizes
+    stride_x, stride_wg_bank, stride_wg_k, stride_wu_bank, stride_wu_k, stride_act,
+    num_experts,
+    HEAD_DIM: tl.constexpr,
+    INTER: tl.constexpr,
+    # tiles and modes
+    DH_PAD: tl.constexpr,      # power of two >= HEAD_DIM: the whole reduction in one dot
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    N_SPLIT: tl.constexpr,     # work items per block (each covers INTER / N_SPLIT columns)
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
+):
+    """gate_up_kernel's output, organised for a short reduction (Dh = 256): a work item loads
+    its block's gathered ``x`` rows once, whole width, and loops over ``BLOCK_N`` column tiles,
+    so the pipelined loop streams weight tiles instead of restarting for every tile."""
+    tiles_per_item: tl.constexpr = INTER // BLOCK_N // N_SPLIT
+    work = tl.load(block_count_ptr) * N_SPLIT
+    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), flatten=FLATTEN):
+        block = item // N_SPLIT
+        split = item % N_SPLIT
+        bank = tl.load(block_bank_ptr + block).to(tl.int64)
+        start = tl.load(block_start_ptr + block)
+        end = tl.load(offsets_ptr + bank + 1)
+        head = bank // num_experts
+
+        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_mask = rows < end
+        tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        d = tl.arange(0, DH_PAD)
+        d_mask = d < HEAD_DIM
+        x_tile = tl.load(x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + d[None, :],
+                         mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        if UPCAST:
+            x_tile = x_tile.to(tl.float32)
+        padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        wg_bank = w_gate_ptr + bank * stride_wg_bank
+        wu_bank = w_up_ptr + bank * stride_wu_bank
+        for j in range(0, tiles_per_item):
+            n = (split * tiles_per_item + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+            wg = tl.load(wg_bank + d[:, None] * stride_wg_k + n[None, :], mask=d_mask[:, None],
+                         other=0.0)
+            wu = tl.load(wu_bank + d[:, None] * stride_wu_k + n[None, :], mask=d_mask[:, None],
+                         other=0.0)
+            if UPCAST:
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
+            u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
+            g = tl.minimum(g, 7.0)
+            u = tl.minimum(tl.maximum(u, -7.0), 7.0)
+            act32 = g * tl.sigmoid(1.702 * g) * (u + 1.0)
+            if UPCAST and act_ptr.dtype.element_ty == tl.bfloat16:
+                bits = act32.to(tl.uint32, bitcast=True)
+                bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+                act = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+                act = tl.where(act32 != act32, act32.to(tl.bfloat16), act)
+            else:
+                act = act32.to(act_ptr.dtype.element_ty)
+            tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
+
+
+@triton.jit
 def down_kernel(
     # pointers
     act_ptr,          # [max_blocks*BLOCK_M, I] SwiGLU7 activation from gate_up_kernel
@@ -237,10 +306,11 @@ def down_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FLATTEN: tl.constexpr = False,
 ):
     num_n: tl.constexpr = HEAD_DIM // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), flatten=FLATTEN):
         block = item // num_n
         n_block = item % num_n
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
@@ -268,9 +338,10 @@ def down_kernel(
         probs = tl.load(probs_ptr + rows, mask=row_mask, other=0.0)
         acc = acc * probs[:, None]  # routing weight in fp32
         tl.store(rows_ptr + rows[:, None] * stride_rows + n[None, :], acc, mask=row_mask[:, None])
-        if n_block == 0:
-            slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
-            tl.store(slot_route_ptr + slots, rows.to(tl.int32), mask=row_mask)
+        # Every column tile stores the same slot map entries (identical values, so the order of
+        # the duplicate writes cannot matter); an `if n_block == 0` here breaks loop flattening.
+        slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
+        tl.store(slot_route_ptr + slots, rows.to(tl.int32), mask=row_mask)
 
 
 @triton.jit
@@ -317,10 +388,14 @@ class FusedTiles:
     gu_block_k: int = 64
     gu_warps: int = 4
     gu_stages: int = 3
+    gu_variant: str = "kloop"   # "kloop": K-loop per column tile; "wide": x rows loaded once
+    gu_n_split: int = 1         # "wide": work items per row block
+    gu_flatten: bool = False    # pipeline across work items (tl.range(..., flatten=True))
     down_block_n: int = 128
     down_block_k: int = 64
     down_warps: int = 4
     down_stages: int = 3
+    down_flatten: bool = False
     sum_block_t: int = 16
     sum_warps: int = 4
     # Persistent grids: programs per multiprocessor (the occupancy the tiles allow).
@@ -331,8 +406,10 @@ class FusedTiles:
         """The same tiles with N/K blocks shrunk to powers of two dividing the widths (the
         config guarantees multiples of 16), so the kernels' inner loops need no masks."""
         Dh, I = config.head_dim, config.intermediate_size
+        gu_block_n = _divisor_block(I, self.gu_block_n)
         return FusedTiles(**{**asdict(self),
-                             "gu_block_n": _divisor_block(I, self.gu_block_n),
+                             "gu_block_n": gu_block_n,
+                             "gu_n_split": math.gcd(self.gu_n_split, I // gu_block_n),
                              "gu_block_k": _divisor_block(Dh, self.gu_block_k),
                              "down_block_n": _divisor_block(Dh, self.down_block_n),
                              "down_block_k": _divisor_block(I, self.down_block_k)})
@@ -356,27 +433,35 @@ PORTABLE_TILES = FusedTiles(block_m=64, gu_block_n=64, gu_block_k=64, gu_warps=4
 
 
 @lru_cache(maxsize=None)
-def load_tile_table(device_name: str) -> list[tuple[float, FusedTiles]] | None:
-    """The tabled tiles for a GPU (``tiles/fused.json``, written from ``scripts/gpu_fused.sh``'s
-    sweep): a list of (routes-per-bank upper edge, tiles), or None when the GPU has no entry."""
-    path = TILE_TABLE_DIR / "fused.json"
+def load_device_entry(device_name: str, path: Path | None = None) -> dict | None:
+    """This GPU's entry of ``tiles/fused.json`` (written by ``magi_moe.benchmark --sweep``), or
+    None when it has none: the first entry whose ``match`` is a substring of the name."""
+    path = path or TILE_TABLE_DIR / "fused.json"
     if not path.exists():
         return None
-    table = json.loads(path.read_text())
-    known = {f.name for f in fields(FusedTiles)}
-    for entry in table.get("devices", []):
+    for entry in json.loads(path.read_text()).get("devices", []):
         if entry["match"].lower() in device_name.lower():
-            classes = []
-            for cls in entry["classes"]:
-                edge = cls["max_routes_per_bank"]
-                tiles = FusedTiles(**{k: v for k, v in cls["tiles"].items() if k in known})
-                classes.append((math.inf if edge is None else float(edge), tiles))
-            return sorted(classes, key=lambda c: c[0])
+            return entry
     return None
 
 
+@lru_cache(maxsize=None)
+def load_tile_table(device_name: str, path: Path | None = None) -> list[tuple[float, FusedTiles]] | None:
+    """The tabled expert-kernel tiles for a GPU: (routes-per-bank upper edge, tiles), sorted."""
+    entry = load_device_entry(device_name, path)
+    if entry is None:
+        return None
+    known = {f.name for f in fields(FusedTiles)}
+    classes = []
+    for cls in entry["classes"]:
+        edge = cls["max_routes_per_bank"]
+        tiles = FusedTiles(**{k: v for k, v in cls["tiles"].items() if k in known})
+        classes.append((math.inf if edge is None else float(edge), tiles))
+    return sorted(classes, key=lambda c: c[0])
+
+
 def write_tile_table(device_match: str, classes: list[tuple[float | None, FusedTiles]], *,
-                     note: str = "", path: Path | None = None) -> Path:
+                     routing: dict | None = None, note: str = "", path: Path | None = None) -> Path:
     """Write (or replace) one GPU's entry in ``tiles/fused.json``: the format
     :func:`load_tile_table` reads. ``classes``: (routes-per-bank upper edge or None, tiles)."""
     path = path or TILE_TABLE_DIR / "fused.json"
@@ -387,9 +472,12 @@ def write_tile_table(device_match: str, classes: list[tuple[float | None, FusedT
     entries.append({"match": device_match, "note": note, "classes": [
         {"max_routes_per_bank": None if edge is None or math.isinf(edge) else edge,
          "tiles": asdict(tiles)} for edge, tiles in classes]})
+    if routing is not None:
+        entries[-1]["routing"] = routing
     table["devices"] = entries
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
+    load_device_entry.cache_clear()
     load_tile_table.cache_clear()
     return path
 
@@ -561,15 +649,30 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
     upcast, precision = _dot_modes()
     wg, wu = weights.w_gate, weights.w_up
     I = config.intermediate_size
+    common = (x, wg, wu, table.gather_ids, table.offsets,
+              schedule.block_bank, schedule.block_start, schedule.block_count, act,
+              x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
+              config.num_experts)
+    if tiles.gu_variant == "wide":
+        if (I // tiles.gu_block_n) % tiles.gu_n_split:
+            raise ValueError(f"gu_n_split={tiles.gu_n_split} must divide the "
+                             f"{I // tiles.gu_block_n} column tiles of I={I}")
+        work = schedule.max_blocks * tiles.gu_n_split
+        gate_up_wide_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
+            *common, HEAD_DIM=config.head_dim, INTER=I,
+            DH_PAD=max(16, triton.next_power_of_2(config.head_dim)),
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n, N_SPLIT=tiles.gu_n_split,
+            UPCAST=upcast, DOT_PRECISION=precision, FLATTEN=tiles.gu_flatten,
+            num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
+        )
+        return
+    if tiles.gu_variant != "kloop":
+        raise ValueError(f"FusedTiles.gu_variant must be 'kloop' or 'wide', got {tiles.gu_variant!r}")
     work = schedule.max_blocks * (I // tiles.gu_block_n)
     gate_up_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
-        x, wg, wu, table.gather_ids, table.offsets,
-        schedule.block_bank, schedule.block_start, schedule.block_count, act,
-        x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
-        config.num_experts,
-        HEAD_DIM=config.head_dim, INTER=I,
+        *common, HEAD_DIM=config.head_dim, INTER=I,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n, BLOCK_K=tiles.gu_block_k,
-        UPCAST=upcast, DOT_PRECISION=precision,
+        UPCAST=upcast, DOT_PRECISION=precision, FLATTEN=tiles.gu_flatten,
         num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
     )
 
@@ -588,7 +691,7 @@ def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,
         act.stride(0), wd.stride(0), wd.stride(1), rows.stride(0),
         HEAD_DIM=Dh, INTER=config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
-        UPCAST=upcast, DOT_PRECISION=precision,
+        UPCAST=upcast, DOT_PRECISION=precision, FLATTEN=tiles.down_flatten,
         num_warps=tiles.down_warps, num_stages=tiles.down_stages,
     )
 

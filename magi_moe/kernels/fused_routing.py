@@ -21,7 +21,8 @@ on the host; the returned table's tensors are views into it, valid until the nex
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import lru_cache
 
 import torch
 import triton
@@ -31,7 +32,8 @@ from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..routing import NORM_EPS, RouteTable
 from ..validation import check_same_device, check_tensor
-from .fused import BlockSchedule, FusedWorkspace, launch_block_schedule, shared_workspace
+from .fused import (BlockSchedule, FusedWorkspace, launch_block_schedule, load_device_entry,
+                    shared_workspace)
 
 NORM_EPS_VALUE = tl.constexpr(NORM_EPS)
 
@@ -215,8 +217,17 @@ INTERPRETER_ROUTING_TILES = RoutingTiles(block_s=64, block_d=256, warps=1,
                                          place_warps=1, prefix_block_tb=256, prefix_block_b=256)
 
 
+@lru_cache(maxsize=None)
 def choose_routing_tiles(config: MoEConfig, device: torch.device) -> RoutingTiles:
-    tiles = INTERPRETER_ROUTING_TILES if device.type != "cuda" else RoutingTiles()
+    """The interpreter's tiles on the CPU; on a GPU the swept ones of ``tiles/fused.json``
+    (``routing`` in the GPU's entry) when there are any, else the defaults."""
+    if device.type != "cuda":
+        tiles = INTERPRETER_ROUTING_TILES
+    else:
+        entry = load_device_entry(torch.cuda.get_device_name(device))
+        known = {f.name for f in fields(RoutingTiles)}
+        swept = (entry or {}).get("routing") or {}
+        tiles = RoutingTiles(**{k: v for k, v in swept.items() if k in known})
     block_d = tiles.block_d
     while config.head_dim % block_d:
         block_d //= 2
