@@ -550,6 +550,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--sweep", action="store_true", help="sweep the fused kernels' tiles first")
     ap.add_argument("--write-tiles", action="store_true", help="with --sweep: update tiles/fused.json")
+    ap.add_argument("--sweep-only", action="store_true", help="with --sweep: no benchmark after it")
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args(argv)
     args.paths = tuple(p for p in args.paths.split(",") if p)
@@ -574,9 +575,9 @@ def main(argv=None) -> int:
     if args.sweep:
         report["sweep"] = run_sweep(cases, device=device, warmup=3, iters=max(5, args.iters // 5),
                                     flush_mib=args.flush_mib, write=args.write_tiles)
-        print(json.dumps(report["sweep"]["classes"], indent=1), flush=True)
+        print(json.dumps({k: report["sweep"][k] for k in ("classes", "routing")}, indent=1), flush=True)
     results = []
-    for case in cases:
+    for case in ([] if args.sweep and args.sweep_only else cases):
         results.append(run_case(case, args.paths, device=device, warmup=args.warmup,
                                 iters=args.iters, rounds=args.rounds, flush_mib=args.flush_mib))
         print(format_table(results[-1:]), flush=True)
@@ -584,7 +585,8 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
-    print(format_table(results))
+    if results:
+        print(format_table(results))
     return 0
 
 

@@ -25,16 +25,15 @@ PATHS=native,native-det,fused,fused-layer,native-layer,routing,fused-routing
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
 
-if [ "$MODE" = sweep ]; then
-  timeout 330 $PY -m magi_moe.benchmark --anchors --sweep --write-tiles --paths $PATHS \
-      --iters 100 --warmup 10 --rounds 2 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+if [ "$MODE" = sweep ]; then  # its own process: a candidate that faults cannot spoil the rest
+  timeout 220 $PY -m magi_moe.benchmark --anchors --sweep --sweep-only --write-tiles \
+      --iters 100 --json "$OUT/sweep.json" 2>&1 | tail -60 | tee "$OUT/sweep.log"
   cp magi_moe/kernels/tiles/fused.json "$OUT/fused.json" 2>/dev/null
-else
-  timeout 240 $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \
-      --rounds 3 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 fi
+timeout 170 $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \
+    --rounds 2 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 
-timeout 180 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" \
+timeout 170 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" \
     tests/test_fused.py tests/test_packed_weights.py \
     tests/test_implementations.py --impl fused 2>&1 | tail -30 | tee "$OUT/tests.log"
 
