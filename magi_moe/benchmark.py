@@ -363,7 +363,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> 
         want_act = None
         for cand in (c for c in GATE_UP_CANDIDATES if c["block_m"] == bm):
             for ppsm in PROGRAMS_PER_SM:
-                tiles = F.FusedTiles(**cand, gu_programs_per_sm=ppsm)
+                tiles = F.FusedTiles(**cand, gu_programs_per_sm=ppsm).fitted(cfg)
 
                 def check():
                     nonlocal want_act
@@ -379,7 +379,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> 
         want_rows = None
         for cand in (c for c in DOWN_CANDIDATES if c["block_m"] == bm):
             for ppsm in PROGRAMS_PER_SM:
-                tiles = F.FusedTiles(**cand, down_programs_per_sm=ppsm)
+                tiles = F.FusedTiles(**cand, down_programs_per_sm=ppsm).fitted(cfg)
 
                 def check():
                     nonlocal want_rows
