@@ -212,6 +212,13 @@ class RoutingTiles:
     prefix_block_tb: int = 64
     prefix_block_b: int = 32
 
+    def fitted(self, config: MoEConfig) -> "RoutingTiles":
+        """block_d shrunk to a power of two dividing Dh (a multiple of 16), so no masks."""
+        block_d = min(self.block_d, 1 << (config.head_dim.bit_length() - 1))
+        while config.head_dim % block_d:
+            block_d //= 2
+        return RoutingTiles(**{**self.__dict__, "block_d": max(block_d, 16)})
+
 
 INTERPRETER_ROUTING_TILES = RoutingTiles(block_s=64, block_d=256, warps=1,
                                          place_warps=1, prefix_block_tb=256, prefix_block_b=256)
@@ -228,10 +235,7 @@ def choose_routing_tiles(config: MoEConfig, device: torch.device) -> RoutingTile
         known = {f.name for f in fields(RoutingTiles)}
         swept = (entry or {}).get("routing") or {}
         tiles = RoutingTiles(**{k: v for k, v in swept.items() if k in known})
-    block_d = tiles.block_d
-    while config.head_dim % block_d:
-        block_d //= 2
-    return RoutingTiles(**{**tiles.__dict__, "block_d": max(block_d, 16)})
+    return tiles.fitted(config)
 
 
 @dataclass(frozen=True)
@@ -276,7 +280,7 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
     if R >= 2**31:
         raise ValueError(f"{S} tokens give {R} routes; the route table's int32 fields need < 2^31")
     workspace = workspace or shared_workspace(x.device)
-    tiles = tiles or choose_routing_tiles(config, x.device)
+    tiles = (tiles or choose_routing_tiles(config, x.device)).fitted(config)
     HE = config.num_banks
     TB = triton.cdiv(S, tiles.block_s)
     ids = workspace.get("route_ids", (S, H, K), torch.int32)
