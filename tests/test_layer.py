@@ -111,12 +111,17 @@ def test_layer_rejects_unknown_bias_source_and_implementation():
 
 
 def test_dispatch_policy():
+    """The policy written in magi_moe/dispatch.py, case by case."""
     from magi_moe.backends import interpreter_enabled, triton_installed
-    cpu = torch.device("cpu")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     kernels_on_cpu = interpreter_enabled() and triton_installed()
-    assert choose_implementation(cpu, torch.bfloat16).name == ("native" if kernels_on_cpu else "reference")
-    assert choose_implementation(cpu, torch.bfloat16, deterministic=True).name == (
-        "native-det" if kernels_on_cpu else "reference")
-    assert choose_implementation(cpu, torch.float64).name == "reference"
-    if torch.cuda.is_available() and triton_installed() and not interpreter_enabled():
-        assert choose_implementation(torch.device("cuda"), torch.bfloat16).name == "native"
+    for deterministic in (False, True):
+        pick = lambda device, dtype: choose_implementation(  # noqa: E731
+            device, dtype, deterministic=deterministic).name
+        native = "native-det" if deterministic else "native"
+        assert pick(cpu, torch.float64) == "reference"
+        assert pick(cpu, torch.bfloat16) == ("fused" if kernels_on_cpu else "reference")
+        assert pick(cpu, torch.float32) == (native if kernels_on_cpu else "reference")
+        if torch.cuda.is_available() and triton_installed() and not interpreter_enabled():
+            assert pick(cuda, torch.bfloat16) == pick(cuda, torch.float16) == "fused"
+            assert pick(cuda, torch.float32) == native
