@@ -270,39 +270,39 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
 # ---------------------------------------------------------------------------------------------
 # tile sweep
 # ---------------------------------------------------------------------------------------------
-# Gate/up candidates as FusedTiles fields; "kloop" loops over Dh per column tile, "wide" loads a
-# block's x rows once and loops over column tiles; *_flatten pipelines across work items.
-def _gu(variant, bm, bn, bk_or_split, warps, stages, flatten=False) -> dict:
+# Gate/up candidates as FusedTiles fields, each with the programs per SM to try: "kloop" loops
+# over Dh per column tile, "wide" loads a block's x rows once and loops over column tiles.
+# Version 2's sweep (NOTES-perf.md) also tried tl.range(flatten=True) loops: slower for kloop
+# and wrong results for wide on Triton 3.6, so that option is gone.
+def _gu(variant, bm, bn, bk_or_split, warps, stages, ppsm=(1, 2), maxnreg=0):
     tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_warps=warps, gu_stages=stages,
-                 gu_flatten=flatten)
+                 gu_maxnreg=maxnreg)
     tiles["gu_block_k" if variant == "kloop" else "gu_n_split"] = bk_or_split
-    return tiles
+    return [{**tiles, "gu_programs_per_sm": p} for p in ppsm]
 
 
-def _dn(bm, bn, bk, warps, stages, flatten=False) -> dict:
-    return dict(block_m=bm, down_block_n=bn, down_block_k=bk, down_warps=warps,
-                down_stages=stages, down_flatten=flatten)
+def _dn(bm, bn, bk, warps, stages, ppsm=(1, 2)):
+    return [dict(block_m=bm, down_block_n=bn, down_block_k=bk, down_warps=warps,
+                 down_stages=stages, down_programs_per_sm=p) for p in ppsm]
 
 
-GATE_UP_CANDIDATES = (
-    # best three of the first sweep (NOTES-perf.md, version 1)
-    _gu("kloop", 64, 128, 32, 4, 4), _gu("kloop", 128, 128, 32, 8, 4), _gu("kloop", 64, 64, 64, 4, 4),
-    # flattened persistent loop
-    _gu("kloop", 64, 128, 32, 4, 3, True), _gu("kloop", 64, 128, 32, 4, 4, True),
-    _gu("kloop", 64, 64, 32, 4, 4, True), _gu("kloop", 64, 128, 64, 8, 3, True),
-    _gu("kloop", 128, 128, 32, 8, 3, True), _gu("kloop", 128, 128, 32, 8, 4, True),
-    _gu("kloop", 128, 64, 64, 8, 4, True),
+GATE_UP_CANDIDATES = tuple(c for group in (
+    # the best of versions 1-2
+    _gu("kloop", 64, 128, 32, 4, 4, (2,)), _gu("kloop", 128, 128, 32, 8, 4, (1,)),
+    _gu("kloop", 64, 64, 64, 4, 4, (2,)),
+    # deeper pipelines, more programs per SM, wider column tiles, register caps for occupancy
+    _gu("kloop", 64, 128, 32, 4, 5, (2,)), _gu("kloop", 64, 128, 16, 4, 6, (2, 3)),
+    _gu("kloop", 64, 64, 32, 4, 4, (3,), maxnreg=168),
+    _gu("kloop", 64, 256, 32, 8, 4, (1,)), _gu("kloop", 64, 256, 32, 8, 3, (1, 2)),
+    _gu("kloop", 128, 64, 32, 8, 4, (1,)), _gu("kloop", 128, 64, 32, 8, 4, (2,), maxnreg=128),
+    _gu("kloop", 128, 64, 32, 8, 3, (2,), maxnreg=128),
     # x rows loaded once per block
-    _gu("wide", 64, 64, 1, 4, 2), _gu("wide", 64, 64, 2, 4, 2), _gu("wide", 64, 32, 1, 4, 3),
-    _gu("wide", 64, 32, 1, 4, 4), _gu("wide", 128, 64, 1, 8, 2), _gu("wide", 128, 32, 1, 8, 3),
-    _gu("wide", 64, 64, 1, 4, 2, True), _gu("wide", 64, 32, 1, 4, 3, True),
-)
-DOWN_CANDIDATES = (
+    _gu("wide", 64, 64, 2, 4, 2, (1,)), _gu("wide", 128, 64, 1, 8, 2, (1,)),
+) for c in group)
+DOWN_CANDIDATES = tuple(c for group in (
     _dn(64, 128, 64, 4, 4), _dn(64, 256, 64, 8, 4), _dn(128, 256, 64, 8, 4), _dn(128, 256, 64, 8, 3),
-    _dn(64, 128, 64, 4, 3, True), _dn(64, 128, 64, 4, 4, True), _dn(128, 128, 64, 8, 3, True),
-    _dn(128, 128, 64, 8, 4, True), _dn(128, 256, 64, 8, 2, True),
-)
-PROGRAMS_PER_SM = (1, 2)
+    _dn(128, 256, 32, 8, 4), _dn(128, 128, 64, 8, 4),
+) for c in group)
 SUM_CANDIDATES = ((8, 4), (16, 4), (32, 4), (32, 8))
 ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
     (16, 64, 4, 4), (32, 64, 4, 4), (32, 64, 8, 8), (64, 64, 8, 8), (16, 32, 4, 4), (32, 32, 8, 4),
@@ -362,35 +362,33 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> 
                           device=device)
         want_act = None
         for cand in (c for c in GATE_UP_CANDIDATES if c["block_m"] == bm):
-            for ppsm in PROGRAMS_PER_SM:
-                tiles = F.FusedTiles(**cand, gu_programs_per_sm=ppsm).fitted(cfg)
+            tiles = F.FusedTiles(**cand).fitted(cfg)
 
-                def check():
-                    nonlocal want_act
-                    got = act[:live].clone()
-                    act.fill_(float("nan"))
-                    F.launch_gate_up(problem.x, table, packed, cfg, sched, act, tiles)
-                    if want_act is None:
-                        want_act = act[:live].clone()
-                    return _close(act[:live], want_act, 2e-3) and _close(got, want_act, 2e-3)
-                attempt("gate_up", {**cand, "gu_programs_per_sm": ppsm},
-                        lambda: F.launch_gate_up(problem.x, table, packed, cfg, sched, act, tiles),
-                        check)
+            def check():
+                nonlocal want_act
+                got = act[:live].clone()
+                act.fill_(float("nan"))
+                F.launch_gate_up(problem.x, table, packed, cfg, sched, act, tiles)
+                if want_act is None:
+                    want_act = act[:live].clone()
+                return _close(act[:live], want_act, 2e-3) and _close(got, want_act, 2e-3)
+            attempt("gate_up", cand,
+                    lambda: F.launch_gate_up(problem.x, table, packed, cfg, sched, act, tiles),
+                    check)
         want_rows = None
         for cand in (c for c in DOWN_CANDIDATES if c["block_m"] == bm):
-            for ppsm in PROGRAMS_PER_SM:
-                tiles = F.FusedTiles(**cand, down_programs_per_sm=ppsm).fitted(cfg)
+            tiles = F.FusedTiles(**cand).fitted(cfg)
 
-                def check():
-                    nonlocal want_rows
-                    rows.fill_(float("nan"))
-                    F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles)
-                    if want_rows is None:
-                        want_rows = rows.clone()
-                    return _close(rows, want_rows, 1e-5)
-                attempt("down", {**cand, "down_programs_per_sm": ppsm},
-                        lambda: F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles),
-                        check)
+            def check():
+                nonlocal want_rows
+                rows.fill_(float("nan"))
+                F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles)
+                if want_rows is None:
+                    want_rows = rows.clone()
+                return _close(rows, want_rows, 1e-5)
+            attempt("down", cand,
+                    lambda: F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles),
+                    check)
     for bt, warps in SUM_CANDIDATES:
         tiles = F.FusedTiles(sum_block_t=bt, sum_warps=warps)
         attempt("sum", {"sum_block_t": bt, "sum_warps": warps},

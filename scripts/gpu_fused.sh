@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
 # The fused path's GPU checks and measurements, in one command for a lent H200 (or any CUDA GPU).
 #
-#   scripts/gpu_fused.sh [sweep|bench]     (default: sweep)
+#   scripts/gpu_fused.sh [all|sweep|bench]     (default: all)
 #
 # sweep: the tile sweep over the four ANCHORS.md cases (every candidate's output checked
-#        against a reference candidate), written to magi_moe/kernels/tiles/fused.json, then the
-#        benchmark with those tiles, then the CUDA tests;
-# bench: the benchmark with the committed tile table, the CUDA tests and the pytest-benchmark
-#        GPU cases.
+#        against a reference candidate), written to magi_moe/kernels/tiles/fused.json;
+# then (every mode) the benchmark with the tile table; then (all, bench) the pytest-benchmark
+# GPU cases; then (every mode) the CUDA tests.
 # CUDA tests: tests/test_fused.py, tests/test_packed_weights.py and the implementation matrix
 # for fused (production shapes, determinism, no host sync, no allocation once warm).
 # Results go to $OUT (or ./gpu-out): logs, the benchmark JSON and the tile table.
 set -uo pipefail
-MODE=${1:-sweep}
+MODE=${1:-all}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -25,19 +24,19 @@ PATHS=native,native-det,fused,fused-layer,native-layer,routing,fused-routing
   $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 } 2>&1 | tee "$OUT/env.txt"
 
-if [ "$MODE" = sweep ]; then  # its own process: a candidate that faults cannot spoil the rest
-  timeout 220 $PY -m magi_moe.benchmark --anchors --sweep --sweep-only --write-tiles \
+if [ "$MODE" != bench ]; then  # its own process: a candidate that faults cannot spoil the rest
+  timeout 160 $PY -m magi_moe.benchmark --anchors --sweep --sweep-only --write-tiles \
       --iters 100 --json "$OUT/sweep.json" 2>&1 | tail -60 | tee "$OUT/sweep.log"
   cp magi_moe/kernels/tiles/fused.json "$OUT/fused.json" 2>/dev/null
 fi
-timeout 170 $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \
+timeout 130 $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \
     --rounds 2 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 
-timeout 170 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" \
-    tests/test_fused.py tests/test_packed_weights.py \
-    tests/test_implementations.py --impl fused 2>&1 | tail -30 | tee "$OUT/tests.log"
-
 if [ "$MODE" != sweep ]; then
-  timeout 150 $PY -m pytest -q -p no:cacheprovider tests/benchmarks -m cuda \
+  timeout 120 $PY -m pytest -q -p no:cacheprovider tests/benchmarks -m cuda \
       --benchmark-json "$OUT/pytest-bench.json" 2>&1 | tail -30 | tee "$OUT/pytest-bench.log"
 fi
+
+timeout 120 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" \
+    tests/test_fused.py tests/test_packed_weights.py \
+    tests/test_implementations.py --impl fused 2>&1 | tail -30 | tee "$OUT/tests.log"

@@ -157,12 +157,11 @@ def gate_up_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" when UPCAST: fp32 operands must not drop to tf32
-    FLATTEN: tl.constexpr = False,  # ask the compiler to pipeline across work items
 ):
     # Persistent: the grid is sized on the host, the work (live blocks x N tiles) on the device.
     num_n: tl.constexpr = INTER // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), flatten=FLATTEN):
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
         block = item // num_n
         n_block = item % num_n
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
@@ -229,14 +228,13 @@ def gate_up_wide_kernel(
     N_SPLIT: tl.constexpr,     # work items per block (each covers INTER / N_SPLIT columns)
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FLATTEN: tl.constexpr = False,
 ):
     """gate_up_kernel's output, organised for a short reduction (Dh = 256): a work item loads
     its block's gathered ``x`` rows once, whole width, and loops over ``BLOCK_N`` column tiles,
     so the pipelined loop streams weight tiles instead of restarting for every tile."""
     tiles_per_item: tl.constexpr = INTER // BLOCK_N // N_SPLIT
     work = tl.load(block_count_ptr) * N_SPLIT
-    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), flatten=FLATTEN):
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
         block = item // N_SPLIT
         split = item % N_SPLIT
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
@@ -306,11 +304,10 @@ def down_kernel(
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FLATTEN: tl.constexpr = False,
 ):
     num_n: tl.constexpr = HEAD_DIM // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), flatten=FLATTEN):
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
         block = item // num_n
         n_block = item % num_n
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
@@ -339,7 +336,7 @@ def down_kernel(
         acc = acc * probs[:, None]  # routing weight in fp32
         tl.store(rows_ptr + rows[:, None] * stride_rows + n[None, :], acc, mask=row_mask[:, None])
         # Every column tile stores the same slot map entries (identical values, so the order of
-        # the duplicate writes cannot matter); an `if n_block == 0` here breaks loop flattening.
+        # the duplicate writes cannot matter): cheaper than a branch on the tile index.
         slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
         tl.store(slot_route_ptr + slots, rows.to(tl.int32), mask=row_mask)
 
@@ -390,12 +387,11 @@ class FusedTiles:
     gu_stages: int = 3
     gu_variant: str = "kloop"   # "kloop": K-loop per column tile; "wide": x rows loaded once
     gu_n_split: int = 1         # "wide": work items per row block
-    gu_flatten: bool = False    # pipeline across work items (tl.range(..., flatten=True))
+    gu_maxnreg: int = 0         # register cap per thread (0: the compiler's choice), for occupancy
     down_block_n: int = 128
     down_block_k: int = 64
     down_warps: int = 4
     down_stages: int = 3
-    down_flatten: bool = False
     sum_block_t: int = 16
     sum_warps: int = 4
     # Persistent grids: programs per multiprocessor (the occupancy the tiles allow).
@@ -638,6 +634,10 @@ def check_fused_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeight
                          f"both must stay below 2^31")
 
 
+def _register_cap(maxnreg: int) -> dict:
+    return {"maxnreg": maxnreg} if maxnreg and not interpreter_enabled() else {}
+
+
 def _dot_modes() -> tuple[bool, str]:
     upcast = interpreter_enabled()
     return upcast, "ieee" if upcast else "tf32"  # tf32 is never used: operands are 16-bit
@@ -662,8 +662,8 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
             *common, HEAD_DIM=config.head_dim, INTER=I,
             DH_PAD=max(16, triton.next_power_of_2(config.head_dim)),
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n, N_SPLIT=tiles.gu_n_split,
-            UPCAST=upcast, DOT_PRECISION=precision, FLATTEN=tiles.gu_flatten,
-            num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
+            UPCAST=upcast, DOT_PRECISION=precision,
+            num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
         )
         return
     if tiles.gu_variant != "kloop":
@@ -672,8 +672,8 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
     gate_up_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
         *common, HEAD_DIM=config.head_dim, INTER=I,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n, BLOCK_K=tiles.gu_block_k,
-        UPCAST=upcast, DOT_PRECISION=precision, FLATTEN=tiles.gu_flatten,
-        num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
+        UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
     )
 
 
@@ -691,7 +691,7 @@ def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,
         act.stride(0), wd.stride(0), wd.stride(1), rows.stride(0),
         HEAD_DIM=Dh, INTER=config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
-        UPCAST=upcast, DOT_PRECISION=precision, FLATTEN=tiles.down_flatten,
+        UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.down_warps, num_stages=tiles.down_stages,
     )
 
