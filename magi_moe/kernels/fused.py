@@ -37,8 +37,8 @@ up in ``[I, 2I)``) and plain contiguous tensors both work without a copy.
 
 Interpreter (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (SPEC 8), so
 ``UPCAST`` converts operands to fp32 before each dot (bf16 x bf16 products are exact in fp32)
-and uses "ieee" dots; its fp32 -> bf16 cast truncates, so the two roundings go through
-``_round_bf16_rne`` there.
+and uses "ieee" dots; its fp32 -> bf16 cast truncates, so the two roundings are done by bit
+arithmetic there (``_swiglu7_operand``, ``_round_bf16_rne``).
 """
 from __future__ import annotations
 
@@ -68,10 +68,19 @@ TILE_TABLE_DIR = Path(__file__).with_name("tiles")
 # kernels
 # ---------------------------------------------------------------------------------------------
 @triton.jit
-def _swiglu7(g, u):
-    g = tl.minimum(g, 7.0)
-    u = tl.minimum(tl.maximum(u, -7.0), 7.0)
-    return g * tl.sigmoid(1.702 * g) * (u + 1.0)
+def _swiglu7_operand(acc_g, acc_u, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """SwiGLU7 of the fp32 gate/up accumulators, in fp32, rounded once to ``dtype``: the down
+    projection's operand. Padding rows (x = 0) give exact zeros."""
+    g = tl.minimum(acc_g, 7.0)
+    u = tl.minimum(tl.maximum(acc_u, -7.0), 7.0)
+    act = g * tl.sigmoid(1.702 * g) * (u + 1.0)
+    if SOFT_BF16 and dtype == tl.bfloat16:  # the interpreter's own cast truncates
+        bits = act.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(act != act, act.to(tl.bfloat16), rounded)
+    else:
+        return act.to(dtype)
 
 
 @triton.jit
@@ -193,20 +202,7 @@ def gate_up_kernel(
             wg_ptrs += BLOCK_K * stride_wg_k
             wu_ptrs += BLOCK_K * stride_wu_k
 
-        # SwiGLU7 in fp32, rounded once to the weights' dtype: the down projection's operand.
-        # Padding rows read x = 0, so they store exact zeros. (Written out rather than called:
-        # the interpreter pays milliseconds per nested jit call, per work item.)
-        g = tl.minimum(acc_g, 7.0)
-        u = tl.minimum(tl.maximum(acc_u, -7.0), 7.0)
-        act32 = g * tl.sigmoid(1.702 * g) * (u + 1.0)
-        if UPCAST and act_ptr.dtype.element_ty == tl.bfloat16:
-            # The interpreter's fp32 -> bf16 cast truncates: round to nearest even by bits.
-            bits = act32.to(tl.uint32, bitcast=True)
-            bits = bits + (((bits >> 16) & 1) + 0x7FFF)
-            act = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            act = tl.where(act32 != act32, act32.to(tl.bfloat16), act)
-        else:
-            act = act32.to(act_ptr.dtype.element_ty)
+        act = _swiglu7_operand(acc_g, acc_u, act_ptr.dtype.element_ty, UPCAST)
         padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
 
@@ -265,16 +261,7 @@ def gate_up_wide_kernel(
                 wu = wu.to(tl.float32)
             g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
             u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
-            g = tl.minimum(g, 7.0)
-            u = tl.minimum(tl.maximum(u, -7.0), 7.0)
-            act32 = g * tl.sigmoid(1.702 * g) * (u + 1.0)
-            if UPCAST and act_ptr.dtype.element_ty == tl.bfloat16:
-                bits = act32.to(tl.uint32, bitcast=True)
-                bits = bits + (((bits >> 16) & 1) + 0x7FFF)
-                act = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                act = tl.where(act32 != act32, act32.to(tl.bfloat16), act)
-            else:
-                act = act32.to(act_ptr.dtype.element_ty)
+            act = _swiglu7_operand(g, u, act_ptr.dtype.element_ty, UPCAST)
             tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
 
 
