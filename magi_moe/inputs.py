@@ -12,8 +12,12 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def check_expert_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
-                        config: MoEConfig, *, dtypes=FLOAT_DTYPES) -> None:
-    """Shapes, dtypes, devices and index bounds; raises naming the argument. One sync (bounds)."""
+                        config: MoEConfig, *, dtypes=FLOAT_DTYPES, check_bounds: bool = True) -> None:
+    """Shapes, dtypes, devices and index bounds; raises naming the argument.
+
+    ``check_bounds`` reads the table's indices (one host sync). Only a caller that built the
+    table itself on the device (the fused layer path) may skip it: a hand-built table with an
+    out-of-range index would otherwise send a kernel to a wild address."""
     check_tensor("x", x, shape=(table.num_tokens, config.hidden_size), dtype=dtypes)
     weights.check(config)
     if weights.w_gate.dtype != x.dtype:
@@ -31,4 +35,5 @@ def check_expert_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeigh
         raise ValueError(f"table was built for H={table.num_heads} E={table.num_experts} "
                          f"K={table.top_k}, config has H={config.num_heads} "
                          f"E={config.num_experts} K={config.top_k}")
-    check_table_bounds(table, config.num_banks)  # out-of-range indices would read wild memory
+    if check_bounds:
+        check_table_bounds(table, config.num_banks)

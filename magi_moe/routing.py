@@ -10,7 +10,7 @@ non-finite router weights when they are loaded.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -51,6 +51,15 @@ class RouteTable:
     num_heads: int
     num_experts: int
     top_k: int
+    # True only for tables made by magi-moe's own builders (``build_route_table``, the fused
+    # router), whose indices are in range by construction: paths that promise no host sync
+    # skip the index check for them. Not an init field, so hand-built tables and
+    # ``dataclasses.replace`` copies start untrusted and get checked.
+    trusted: bool = field(default=False, init=False, compare=False, repr=False)
+
+    def mark_trusted(self) -> "RouteTable":
+        object.__setattr__(self, "trusted", True)
+        return self
 
     @property
     def num_routes(self) -> int:
@@ -62,9 +71,10 @@ class RouteTable:
 
     def to(self, device: torch.device | str) -> "RouteTable":
         move = lambda t: t.to(device)  # noqa: E731
-        return RouteTable(move(self.gather_ids), move(self.sorted_probs), move(self.offsets),
-                          move(self.route_slots), self.num_tokens, self.num_heads,
-                          self.num_experts, self.top_k)
+        moved = RouteTable(move(self.gather_ids), move(self.sorted_probs), move(self.offsets),
+                           move(self.route_slots), self.num_tokens, self.num_heads,
+                           self.num_experts, self.top_k)
+        return moved.mark_trusted() if self.trusted else moved
 
 
 def router_logits(x: torch.Tensor, gate: torch.Tensor, config: MoEConfig,
@@ -157,7 +167,7 @@ def build_route_table(routes: Routes, config: MoEConfig) -> RouteTable:
         num_heads=H,
         num_experts=E,
         top_k=K,
-    )
+    ).mark_trusted()
 
 
 def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: int | None = None) -> None:

@@ -190,3 +190,16 @@ def test_production_shape_routing_on_released_preset():
     assert routes.expert_ids.shape == (8, 3, 6)
     # L1-normalised then scaled: each (token, head) sums to route_scale.
     torch.testing.assert_close(routes.probs.sum(-1), torch.full((8, 3), 4.9))
+
+
+def test_only_magi_moe_built_tables_are_trusted():
+    """Paths that promise no host sync skip the index check only for trusted tables."""
+    import dataclasses
+    from magi_moe.routing import RouteTable
+    cfg = small_config()
+    x, gate, bias = random_router(cfg, S=8)
+    table = build_route_table(route(x, gate, bias, cfg), cfg)
+    assert table.trusted and table.to("cpu").trusted
+    assert not dataclasses.replace(table, gather_ids=table.gather_ids + 1).trusted
+    assert not RouteTable(table.gather_ids, table.sorted_probs, table.offsets, table.route_slots,
+                          8, cfg.num_heads, cfg.num_experts, cfg.top_k).trusted

@@ -56,8 +56,9 @@ import triton.language as tl
 from .. import debug
 from ..backends import interpreter_enabled
 from ..config import MoEConfig
+from ..inputs import check_expert_inputs
 from ..routing import RouteTable
-from ..validation import check_same_device, check_tensor
+from ..validation import check_tensor
 from ..weights import ExpertWeights
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -592,29 +593,16 @@ def persistent_grid(work_upper_bound: int, programs_per_sm: int, device: torch.d
 
 
 def check_fused_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
-                       config: MoEConfig) -> None:
-    """Shapes, dtypes, devices and strides; reads no tensor data (no host synchronisation)."""
-    check_tensor("x", x, shape=(table.num_tokens, config.hidden_size), dtype=FUSED_DTYPES)
+                       config: MoEConfig, *, check_bounds: bool = True) -> None:
+    """Shapes, dtypes, devices, strides and (with ``check_bounds``, one host sync) index bounds."""
+    check_expert_inputs(x, table, weights, config, dtypes=FUSED_DTYPES, check_bounds=check_bounds)
     if x.numel() and x.stride(-1) != 1:
         raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
-    weights.check(config)
     for name, w in weights._asdict().items():
-        if w.dtype != x.dtype:
-            raise ValueError(f"{name} dtype {w.dtype} must match x dtype {x.dtype}")
         if w.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in its last dim, got strides {w.stride()}")
-    if (table.num_heads, table.num_experts, table.top_k) != (
-            config.num_heads, config.num_experts, config.top_k):
-        raise ValueError(f"table was built for H={table.num_heads} E={table.num_experts} "
-                         f"K={table.top_k}, config has {config.describe()}")
-    check_tensor("table.gather_ids", table.gather_ids, shape=(None,), dtype=torch.int32)
     R = table.num_routes
-    check_tensor("table.sorted_probs", table.sorted_probs, shape=(R,), dtype=torch.float32)
-    check_tensor("table.offsets", table.offsets, shape=(config.num_banks + 1,), dtype=torch.int64)
-    check_tensor("table.route_slots", table.route_slots, shape=(R,), dtype=torch.int64)
-    check_same_device(x=x, w_gate=weights.w_gate, gather_ids=table.gather_ids,
-                      sorted_probs=table.sorted_probs, offsets=table.offsets,
-                      route_slots=table.route_slots)
+    check_tensor("table.sorted_probs", table.sorted_probs, dtype=torch.float32)
     slots = table.num_tokens * config.num_heads * config.top_k
     if max(R, slots) >= 2**31:
         raise ValueError(f"table has {R} routes and {slots} slots; the slot map is int32, so "
@@ -720,13 +708,19 @@ def launch_topk_sum(rows: torch.Tensor, slot_route: torch.Tensor, out: torch.Ten
 def fused_forward(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
                   *, out: torch.Tensor | None = None, tiles: FusedTiles | None = None,
                   workspace: FusedWorkspace | None = None,
-                  schedule: BlockSchedule | None = None) -> torch.Tensor:
+                  schedule: BlockSchedule | None = None,
+                  check_bounds: bool | None = None) -> torch.Tensor:
     """The expert computation on ``table``'s routes; returns ``out`` ``[S, H*Dh]`` in ``x.dtype``.
 
-    No host synchronisation, and once the workspace has grown to the problem's size, no
-    allocation. ``schedule``: a block schedule already built on the device (the fused router
-    builds it with the route table); built here otherwise."""
-    check_fused_inputs(x, table, weights, config)
+    For a table magi-moe built itself (``table.trusted``: the fused router, ``build_route_table``),
+    no host synchronisation, and once the workspace has grown to the problem's size, no
+    allocation. Any other table has its indices checked first (one sync), so a bad hand-built
+    table gets a clear error instead of a wild memory access; ``check_bounds`` overrides. ``schedule``: a block
+    schedule already built on the device (the fused router builds it with the route table);
+    built here otherwise."""
+    if check_bounds is None:
+        check_bounds = not table.trusted
+    check_fused_inputs(x, table, weights, config, check_bounds=check_bounds)
     S, D = x.shape
     if out is None:
         out = torch.empty(S, D, dtype=x.dtype, device=x.device)
