@@ -1,35 +1,42 @@
 #!/usr/bin/env bash
-# One device call on the GPU machine: the CUDA test suite, the CUDA audit, then the benchmarks.
-#   bash scripts/gpu_check.sh [tests|audit|bench|all] [extra pytest args]
-# Results (logs, JUnit XML, audit report, benchmark JSON) land in $OUT (default ./gpu-results).
-# Uses the machine's own torch/triton/pytest: nothing is installed.
+# GPU checks in one device call, uses the machine's own torch/triton/pytest (nothing installed):
+#   bash scripts/gpu_check.sh [STEP ...]     STEP: tests audit ep fuzz bench (default: tests audit)
+#   tests  the suite on the CUDA backend (CPU backends are CI's job), JUnit XML + log
+#   audit  python -m audit --backend cuda (production shapes)
+#   ep     expert parallelism over NCCL (needs 2 GPUs: scripts/gpu_ep.sh)
+#   fuzz   a fuzz campaign on CUDA for FUZZ_BUDGET seconds
+#   bench  the fused benchmarks (scripts/gpu_fused.sh bench)
+# Each step has a timeout (STEP_TIMEOUT_<step> seconds). Results land in $OUT (./gpu-results).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-what=${1:-all}; shift || true
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests audit)
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
-step() { echo; echo "== $1 ($(date +%T))"; }
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+unset TRITON_INTERPRET
+limit() { local v="STEP_TIMEOUT_$1"; echo "${!v:-$2}"; }
+status=0
+run_step() {  # name, default timeout, command...
+  local name=$1 t; t=$(limit "$1" "$2"); shift 2
+  echo; echo "== $name (timeout ${t}s, $(date +%T))"
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  tail -25 "$OUT/$name.log"; echo "== $name: exit $rc"
+  status=$(( status | rc ))
+}
 
-step "machine"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee "$OUT/machine.txt"
+nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
 
-status=0
-if [[ $what == all || $what == tests ]]; then
-  step "CUDA tests"
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -m "not slow and not benchmark" --backend cuda --backend cpu \
-      -q -p no:cacheprovider --durations=15 --junitxml="$OUT/cuda-tests.xml" "$@" 2>&1 | tee "$OUT/cuda-tests.log" | tail -60
-  status=$(( status | ${PIPESTATUS[0]} ))
-fi
-if [[ $what == all || $what == audit ]]; then
-  step "CUDA audit"
-  timeout "${AUDIT_TIMEOUT:-300}" python3 -m audit --backend cuda --out "$OUT/audit" 2>&1 | tail -60
-  status=$(( status | ${PIPESTATUS[0]} ))
-fi
-if [[ $what == all || $what == bench ]] && [[ -f scripts/gpu_fused.sh ]]; then
-  step "benchmarks"
-  bash scripts/gpu_fused.sh 2>&1 | tail -80
-  status=$(( status | ${PIPESTATUS[0]} ))
-fi
-step "done: status $status"
+for step in "${steps[@]}"; do
+  case $step in
+    tests) run_step tests 300 python3 -m pytest -m "not slow and not benchmark" --backend cuda -q \
+             -p no:cacheprovider --durations=10 -W ignore --junitxml="$OUT/tests.xml" ;;
+    audit) run_step audit 240 python3 -m audit --backend cuda --out "$OUT/audit" ;;
+    ep)    run_step ep 120 bash scripts/gpu_ep.sh -q ;;
+    fuzz)  run_step fuzz "$(( ${FUZZ_BUDGET:-120} + 60 ))" python3 -m fuzz --backend cuda \
+             --budget-seconds "${FUZZ_BUDGET:-120}" --out "$OUT/fuzz" ;;
+    bench) run_step bench 300 bash scripts/gpu_fused.sh bench ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done
+echo; echo "== all steps: status $status"
 exit $status

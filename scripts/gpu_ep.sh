@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 # No NVLink multicast / NVLS: the lent H200 machines must not use it (KINDS.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-python3}
 
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
 if [ "$gpus" -lt 2 ]; then
