@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from magi_moe.kernels.native import _swiglu7
+from magi_moe.kernels.rounding import swiglu7
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def swiglu_kernel(g_ptr, u_ptr, out_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, _swiglu7(g, u), mask=mask)
+    tl.store(out_ptr + offs, swiglu7(g, u), mask=mask)
 
 
 def launch_dot(a, b, c, *, upcast: bool, dot_precision: str) -> None:

@@ -23,9 +23,10 @@ MUTANTS = [
     ("weight-applied-twice", "acc = acc * probs[:, None]", "acc = acc * probs[:, None] * probs[:, None]"),
     ("wrong-head-offset", "head = bank // num_experts", "head = bank * 0"),
     ("off-by-one-token-mask", "row_mask = rows < end", "row_mask = rows <= end"),
-    ("clamp-dropped", "g = tl.minimum(g, 7.0)", "g = g"),
-    ("activation-truncated", "a = round_operand(_swiglu7(g, u), w_down_ptr.dtype.element_ty, UPCAST)",
-     "a = _swiglu7(g, u).to(w_down_ptr.dtype.element_ty).to(tl.float32)"),
+    ("clamp-dropped", "round_operand(swiglu7(g, u),",
+     "round_operand(g * tl.sigmoid(1.702 * g) * (tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0),"),
+    ("activation-truncated", "a = round_operand(swiglu7(g, u), w_down_ptr.dtype.element_ty, UPCAST)",
+     "a = swiglu7(g, u).to(w_down_ptr.dtype.element_ty).to(tl.float32)"),
     ("down-rows-shifted", "w_down_bank + n[:, None] * HEAD_DIM + d[None, :]",
      "w_down_bank + n[:, None] * HEAD_DIM + (d[None, :] + 1) % HEAD_DIM"),
 ]

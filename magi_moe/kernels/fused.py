@@ -38,7 +38,7 @@ up in ``[I, 2I)``) and plain contiguous tensors both work without a copy.
 Interpreter (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (SPEC 8), so
 ``UPCAST`` converts operands to fp32 before each dot (bf16 x bf16 products are exact in fp32)
 and uses "ieee" dots; its fp32 -> bf16 cast truncates, so the two roundings are done by bit
-arithmetic there (``_swiglu7_operand``, ``_round_bf16_rne``).
+arithmetic there (``rounding.round_to``).
 """
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ from ..inputs import check_expert_inputs
 from ..routing import RouteTable
 from ..validation import check_tensor
 from ..weights import ExpertWeights
+from .rounding import round_to, swiglu7
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 TILE_TABLE_DIR = Path(__file__).with_name("tiles")
@@ -72,35 +73,7 @@ TILE_TABLE_DIR = Path(__file__).with_name("tiles")
 def _swiglu7_operand(acc_g, acc_u, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
     """SwiGLU7 of the fp32 gate/up accumulators, in fp32, rounded once to ``dtype``: the down
     projection's operand. Padding rows (x = 0) give exact zeros."""
-    g = tl.minimum(acc_g, 7.0)
-    u = tl.minimum(tl.maximum(acc_u, -7.0), 7.0)
-    act = g * tl.sigmoid(1.702 * g) * (u + 1.0)
-    if SOFT_BF16 and dtype == tl.bfloat16:  # the interpreter's own cast truncates
-        bits = act.to(tl.uint32, bitcast=True)
-        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
-        rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        return tl.where(act != act, act.to(tl.bfloat16), rounded)
-    else:
-        return act.to(dtype)
-
-
-@triton.jit
-def _round_bf16_rne(x):
-    """fp32 -> bf16, round to nearest even, by bit arithmetic. The interpreter's own fp32->bf16
-    cast truncates (seen with Triton 3.9, with or without ``fp_downcast_rounding="rtne"``)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + (((bits >> 16) & 1) + 0x7FFF)
-    rounded = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.where(x != x, x.to(tl.bfloat16), rounded)
-
-
-@triton.jit
-def _round_to(x, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """The one rounding of an fp32 value to the storage dtype (hardware RNE on the GPU)."""
-    if SOFT_BF16 and dtype == tl.bfloat16:
-        return _round_bf16_rne(x)
-    else:
-        return x.to(dtype)
+    return round_to(swiglu7(acc_g, acc_u), dtype, SOFT_BF16)
 
 
 @triton.jit
@@ -342,7 +315,7 @@ def topk_sum_kernel(
     DH_PAD: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    SOFT_BF16: tl.constexpr,   # interpreter: round to bf16 by bit arithmetic (see _round_bf16_rne)
+    SOFT_BF16: tl.constexpr,   # interpreter: round to bf16 by bit arithmetic (see rounding.round_to)
 ):
     pid = tl.program_id(0)
     pairs = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
@@ -358,7 +331,7 @@ def topk_sum_kernel(
         acc += tl.load(rows_ptr + route.to(tl.int64)[:, None] * stride_rows + d[None, :],
                        mask=has[:, None] & d_mask[None, :], other=0.0)
     tl.store(out_ptr + token[:, None] * stride_out + head[:, None] * HEAD_DIM + d[None, :],
-             _round_to(acc, out_ptr.dtype.element_ty, SOFT_BF16), mask=pair_mask[:, None] & d_mask[None, :])
+             round_to(acc, out_ptr.dtype.element_ty, SOFT_BF16), mask=pair_mask[:, None] & d_mask[None, :])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,14 +33,7 @@ from ..inputs import check_expert_inputs
 from ..routing import RouteTable
 from ..validation import check_tensor
 from ..weights import ExpertWeights
-from .rounding import round_operand
-
-
-@triton.jit
-def _swiglu7(g, u):
-    g = tl.minimum(g, 7.0)
-    u = tl.minimum(tl.maximum(u, -7.0), 7.0)
-    return g * tl.sigmoid(1.702 * g) * (u + 1.0)
+from .rounding import round_operand, swiglu7
 
 
 @triton.jit
@@ -109,7 +102,7 @@ def native_expert_kernel(
         g = tl.dot(x_tile, w_g, input_precision=DOT_PRECISION)  # fp32 accumulation over Dh
         u = tl.dot(x_tile, w_u, input_precision=DOT_PRECISION)
         # SwiGLU7 in fp32, rounded once to the weights' dtype as the down-projection operand.
-        a = round_operand(_swiglu7(g, u), w_down_ptr.dtype.element_ty, UPCAST)
+        a = round_operand(swiglu7(g, u), w_down_ptr.dtype.element_ty, UPCAST)
         w_d = tl.load(
             w_down_bank + n[:, None] * HEAD_DIM + d[None, :],
             mask=n_mask[:, None] & d_mask[None, :],

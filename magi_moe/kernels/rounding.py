@@ -1,4 +1,5 @@
-"""Rounding that means the same thing on the GPU and under the Triton interpreter.
+"""The precision-critical elementwise steps shared by the kernels: SwiGLU7, and rounding that
+means the same thing on the GPU and under the Triton interpreter.
 
 Found here with Triton 3.9's interpreter: ``fp32.to(tl.bfloat16)`` truncates (rounds toward
 zero) instead of rounding to nearest even, with or without ``fp_downcast_rounding="rtne"``;
@@ -8,6 +9,24 @@ CPU results are not the GPU's maths. ``audit.selfcheck`` re-checks this on each 
 """
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def swiglu7(g, u):
+    """``min(g,7) * sigmoid(1.702*min(g,7)) * (clamp(u,-7,7) + 1)`` in the inputs' precision."""
+    g = tl.minimum(g, 7.0)
+    u = tl.minimum(tl.maximum(u, -7.0), 7.0)
+    return g * tl.sigmoid(1.702 * g) * (u + 1.0)
+
+
+@triton.jit
+def round_to(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """fp32 ``v`` rounded to nearest (even) in ``dtype``; ``SOFT_BF16`` (interpreter) does the
+    bf16 case by bit arithmetic, since the interpreter's own cast truncates."""
+    if SOFT_BF16 and dtype == tl.bfloat16:
+        return bf16_rtne_as_fp32(v).to(tl.bfloat16)  # exact: the value is already a bf16
+    else:
+        return v.to(dtype)
 
 
 @triton.jit
