@@ -52,8 +52,9 @@ def list_main(argv: list[str]) -> int:
     from .properties import PROPERTIES
     for name, prop in PROPERTIES.items():
         needs = f"  (needs {', '.join(prop.needs)})" if prop.needs else ""
-        doc = (prop.check.__doc__ or "").strip().splitlines()
-        print(f"{name:18s} {doc[0] if doc else ''}{needs}")
+        doc = " ".join((prop.check.__doc__ or "").split())
+        first = doc.split(": ")[0].split(". ")[0].rstrip(".")
+        print(f"{name:18s} {first}{needs}")
     return 0
 
 

@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--case-timeout", type=float, default=600.0, help="seconds after which a case is a hang")
     p.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="fuzz test files")
     p.add_argument("--no-confirm", action="store_true", help="do not replay crashes to name the signal")
+    p.add_argument("--no-shrink", action="store_true", help="report first failing examples unshrunk (faster)")
+    p.add_argument("--size-budget", type=float, default=None,
+                   help="shape budget of the strategies (default: 2 on the CPU, 32 on a GPU; ci: 1)")
     return p
 
 
@@ -95,6 +98,11 @@ def build_pytest_command(args, *, backend: str, out: Path, start: float, seed: i
         cmd += ["-n", str(args.workers), "--max-worker-restart", str(max(8, 4 * args.workers))]
     if single_round:
         cmd.append("--fuzz-single-round")
+    if getattr(args, "no_shrink", False):
+        cmd.append("--fuzz-no-shrink")
+    default_size = 1.0 if args.profile == "ci" else 32.0 if backend == "cuda" else 2.0
+    size = getattr(args, "size_budget", None) or default_size
+    cmd += ["--fuzz-size-budget", repr(float(size))]
     for impl in args.impl:
         cmd += ["--impl", impl]
     return cmd

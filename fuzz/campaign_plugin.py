@@ -6,8 +6,8 @@ It turns the ordinary fuzz tests into time-boxed campaign items:
   chosen properties and deselects everything else;
 * loads the ``campaign`` Hypothesis profile (nightly's settings, the campaign's database, a
   per-round example budget) before the test modules are imported;
-* runs each target in rounds, a fresh seed per round (derived from the campaign seed, the node
-  id and the round), until the item's share of the time budget is spent: the shared example
+* runs each target in rounds, each with a fresh seed drawn from a stream seeded by the campaign
+  seed and the node id, until the item's share of the time budget is spent: the shared example
   database replays what earlier rounds, other workers and earlier campaigns found;
 * saves every failure as ``<out>/failures/*.json`` with its one-line reproduction, keeps the
   flight recorder on (``<out>/inflight``) so a case that kills its worker is still known, and
@@ -45,6 +45,8 @@ def pytest_addoption(parser):
     group.addoption("--fuzz-gpus", type=int, default=0, help="spread workers over this many GPUs")
     group.addoption("--fuzz-single-round", action="store_true", help="one round per item (rerun)")
     group.addoption("--fuzz-device", default="cpu", help="device of the backend (for tie_rule items)")
+    group.addoption("--fuzz-no-shrink", action="store_true", help="report the first failing example unshrunk")
+    group.addoption("--fuzz-size-budget", type=float, default=None, help="shape budget of the strategies")
 
 
 def _active(config) -> bool:
@@ -72,10 +74,16 @@ def pytest_configure(config):
         profiles.register_campaign_profile(config.getoption("--fuzz-db"),
                                            max_examples=config.getoption("--fuzz-round-examples"),
                                            parent=base)
+    if config.getoption("--fuzz-no-shrink"):
+        from hypothesis import Phase
+        settings.register_profile("campaign", parent=settings.get_profile("campaign"),
+                                  phases=[p for p in Phase if p not in (Phase.shrink, Phase.explain)])
     settings.load_profile("campaign")
+    if config.getoption("--fuzz-size-budget"):  # read by the test modules when they are imported
+        profiles.SIZE_BUDGETS["campaign"] = config.getoption("--fuzz-size-budget")
     rec.configure_flight_recorder(out / "inflight", exit_on_device_fault=True)
     gpus = config.getoption("--fuzz-gpus")
-    if gpus > 0:  # one GPU per worker, chosen before anything initialises CUDA
+    if gpus > 0 and hasattr(config, "workerinput"):  # one GPU per worker, before CUDA starts
         os.environ["CUDA_VISIBLE_DEVICES"] = str(_worker_index(config) % gpus)
     _start_watchdog(config.getoption("--fuzz-case-timeout"))
 
@@ -129,6 +137,18 @@ def _round_seed(campaign_seed: int, nodeid: str, round_no: int) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
+def _seed_rounds(seed: int) -> None:
+    """Seed the stream Hypothesis draws each round's seed from. ``hypothesis.seed()`` or
+    ``--hypothesis-seed`` would also switch the example database off, which a campaign needs;
+    this reaches into Hypothesis (best effort: without it rounds are seeded from the OS)."""
+    import random
+
+    from hypothesis import core
+    local = getattr(core, "threadlocal", None)
+    if local is not None and hasattr(local, "_hypothesis_global_random"):
+        local._hypothesis_global_random = random.Random(seed)
+
+
 def _write_stats(out: Path, item, **stats) -> None:
     path = out / "stats" / f"{_slug(item.nodeid)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,7 +162,6 @@ def pytest_pyfunc_call(pyfuncitem):
     config = pyfuncitem.config
     if not _active(config) or _property_of(pyfuncitem) is None:
         return None
-    from hypothesis import seed as hypothesis_seed
     from hypothesis import settings as hyp_settings
 
     out = Path(config.getoption("--fuzz-out"))
@@ -160,10 +179,9 @@ def pytest_pyfunc_call(pyfuncitem):
     kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     rounds, cases_before, began = 0, rec.cases_started(), now
     longest = 0.0
+    _seed_rounds(_round_seed(config.getoption("--fuzz-seed"), pyfuncitem.nodeid, 0))
     while True:
         t0 = time.time()
-        if not single and getattr(fn, "is_hypothesis_test", False):
-            hypothesis_seed(_round_seed(config.getoption("--fuzz-seed"), pyfuncitem.nodeid, rounds))(fn)
         try:
             fn(**kwargs)
         finally:
@@ -212,8 +230,9 @@ def pytest_runtest_makereport(item, call):
 def rerun_command(config, nodeid: str) -> str:
     """The one-line command that replays a failing node from the campaign's database."""
     import shlex
+    backends = config.getoption("--backend") or ["cpu"]
     parts = ["python -m fuzz rerun", shlex.quote(nodeid), "--db", shlex.quote(config.getoption("--fuzz-db")),
-             "--backend", shlex.quote(config.getoption("--backend")[0] if config.getoption("--backend") else "cpu")]
+             "--backend", shlex.quote(backends[0])]
     for impl in config.getoption("--impl") or []:
         parts += ["--impl", shlex.quote(impl)]
     return " ".join(parts)

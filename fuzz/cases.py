@@ -233,12 +233,16 @@ def build_values(case: ExpertCase) -> tuple[torch.Tensor, ExpertWeights]:
     limit = torch.finfo(cfg.dtype).max / 64  # finite inputs, with headroom for the outputs
     x = x.clamp(-limit, limit).to(cfg.dtype)
     x_rms = float(x.float().pow(2).mean().sqrt()) if S else spec.x_scale
-    gu_std = spec.preact / (max(x_rms, 1e-30) * math.sqrt(Dh))
-    weights = ExpertWeights(
-        (torch.randn(HE, Dh, I, generator=gen) * gu_std).to(cfg.dtype),
-        (torch.randn(HE, Dh, I, generator=gen) * gu_std).to(cfg.dtype),
-        (torch.randn(HE, I, Dh, generator=gen) / math.sqrt(I)).to(cfg.dtype),
-    )
+    # Tiny inputs would need huge weights to reach the pre-activation target; the weights stay
+    # finite (well inside the dtype's range), so such cases simply land below the target.
+    w_limit = limit / 2**10
+    gu_std = min(spec.preact / (max(x_rms, 1e-30) * math.sqrt(Dh)), w_limit / 8)
+
+    def draw(*shape, std):
+        return (torch.randn(*shape, generator=gen) * std).clamp(-w_limit, w_limit).to(cfg.dtype)
+
+    weights = ExpertWeights(draw(HE, Dh, I, std=gu_std), draw(HE, Dh, I, std=gu_std),
+                            draw(HE, I, Dh, std=1 / math.sqrt(I)))
     return x, weights
 
 

@@ -74,14 +74,14 @@ def search(prop: str, target, *, settings: Settings, budget: float = 1.0) -> Non
     fuzz_one()
 
 
-def pytest_target(impl_backend, pytestconfig, prop: str) -> P.Target:
+def pytest_target(impl_backend, prop: str) -> P.Target:
     """The target of a test's ``impl_backend`` pair, or ``pytest.skip`` with the reason the
     property does not apply (the pair is missing, it would repeat ``@cpu``, a capability)."""
     import pytest
 
     if impl_backend is None:
         pytest.skip("no implementation/backend pair selected")
-    target = P.target_for(impl_backend, pytestconfig.getoption("--impl"))
+    target = P.target_for(impl_backend)
     if target.backend.name == "interpret" and "cpu" in target.impl.backends:
         pytest.skip(f"{target.impl.name} runs no Triton kernel: @interpret would repeat @cpu")
     why = target.skip_reason(P.PROPERTIES[prop].needs)

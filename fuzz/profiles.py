@@ -4,7 +4,9 @@ SPEC section 9: Hypothesis' built-in ``ci`` profile is only loaded when ``CI`` i
 drops that variable, so the profile is always named on the command line instead.
 
 * ``ci``: derandomised (the same examples on every commit), no example database, a small example
-  budget and small shapes: the per-commit run.
+  budget and small shapes, no shrinking: the per-commit run. Shrinking a failure found under
+  the Triton interpreter can take minutes; the first failing example is reported as found, with
+  its exact one-line replay (``dev`` shrinks).
 * ``dev``: random, with the default local database, a few times the ci budget.
 * ``nightly``: random, large budgets, no deadline, a shared ``DirectoryBasedExampleDatabase``
   (``NIGHTLY_DATABASE``, relative to the working directory) so failures found overnight replay
@@ -16,7 +18,7 @@ Tests scale their per-test budget with :func:`examples` and their shape budget w
 """
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 __all__ = ["NIGHTLY_DATABASE", "SIZE_BUDGETS", "examples", "size_budget", "register_campaign_profile"]
@@ -31,7 +33,7 @@ _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 settings.register_profile(
     "ci", derandomize=True, database=None, max_examples=8, deadline=None, print_blob=True,
-    suppress_health_check=_SLOW_OK,
+    phases=(Phase.explicit, Phase.generate, Phase.target), suppress_health_check=_SLOW_OK,
 )
 settings.register_profile(
     "dev", max_examples=50, deadline=None, print_blob=True, suppress_health_check=_SLOW_OK,

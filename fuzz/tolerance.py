@@ -1,11 +1,19 @@
 """How close is close enough: the differential criterion and "equal within rounding".
 
-Differential (FlashAttention-style, until ``audit.bounds`` provides proven bounds): against the
-float64 oracle on the same routes, an implementation may be at most twice as wrong as the plain
-PyTorch baseline at working precision (``torch-bf16``), plus a noise floor of two unit roundoffs
-of the output dtype (the one final rounding alone costs up to one). Both the relative L2 error and
-the largest elementwise error are held to this; the larger of the two ratios error/bound is the
-case's *error ratio*, which the fuzzers push up with ``hypothesis.target``.
+Differential (:func:`judge`): against the float64 oracle on the same routes.
+
+* With the auditor present (``audit.bounds``), its per-element bounds for the implementation's
+  declared precision model: no element may exceed the proven worst-case bound or the
+  probabilistic one (at a false-alarm probability of ``AUDIT_FAILURE_PROBABILITY`` per case, small
+  enough for campaigns of millions of cases). The error ratio is the largest error/bound over
+  the elements (probabilistic bound).
+* Without it (fuzz runs on its own), the FlashAttention-style criterion
+  (:func:`differential_report`): at most twice as wrong as the plain PyTorch baseline at working
+  precision (``torch-bf16``), plus a noise floor of two unit roundoffs of the output dtype (the
+  one final rounding alone costs up to one), for both the relative L2 error and the largest
+  elementwise error; the error ratio is the larger of the two error/bound ratios.
+
+The fuzzers push the error ratio up with ``hypothesis.target``.
 
 Within rounding (equivariance, linearity on non-deterministic paths): two results of the same
 exact value whose fp32 accumulation order may differ can be a couple of output ulps apart.
@@ -16,7 +24,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["ErrorReport", "differential_report", "rounding_mismatch", "unit_roundoff"]
+__all__ = ["AUDIT_FAILURE_PROBABILITY", "ErrorReport", "Verdict", "differential_report", "judge",
+           "rounding_mismatch", "unit_roundoff"]
+
+AUDIT_FAILURE_PROBABILITY = 1e-9
 
 _UNIT_ROUNDOFF = {
     torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24, torch.float64: 2.0**-53,
@@ -98,3 +109,36 @@ def rounding_mismatch(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtyp
     tol = ulps * 2 * unit_roundoff(out_dtype) * mag + 2.0**10 * unit_roundoff(accumulate_dtype) * scale
     close = (a64 - b64).abs() <= tol
     return ~close | torch.isnan(a64) | torch.isnan(b64)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    ratio: float
+    text: str
+    source: str        # "audit.bounds" or "flashattention"
+    metrics: dict
+
+
+def judge(out: torch.Tensor, problem, precision, reference: torch.Tensor, baseline: torch.Tensor) -> Verdict:
+    """The differential verdict for ``out`` on ``problem``: the auditor's bounds for ``precision``
+    (an Implementation or a precision-model name) when ``audit.bounds`` can be imported and knows
+    the model, else the FlashAttention-style criterion against ``reference`` and ``baseline``."""
+    try:
+        from audit.bounds import check_error_bounds
+    except ImportError:
+        check_error_bounds = None
+    if check_error_bounds is not None:
+        try:
+            report = check_error_bounds(out, problem, precision,
+                                        failure_probability=AUDIT_FAILURE_PROBABILITY)
+        except (ValueError, KeyError) as exc:  # a precision model the auditor does not know
+            fallback = f" (audit.bounds declined: {exc})"
+        else:
+            metrics = {k: v for k, v in report.to_dict().items()
+                       if not k.endswith("hist") and k != "hist_edges"}
+            return Verdict(report.ok, report.prob_max_ratio, report.summary(), "audit.bounds", metrics)
+    else:
+        fallback = ""
+    fa = differential_report(out, reference, baseline, out.dtype)
+    return Verdict(fa.ok, fa.ratio, fa.describe() + fallback, "flashattention", fa.as_dict())

@@ -13,6 +13,9 @@ tests show that the fuzzer built for it catches it within the CI budget.
   serves stale weights after ``param.data.copy_(...)`` (SPEC 5; vLLM #42821, SGLang #14158).
   :class:`SnapshotCache` is the correct toy cache the same machine must pass.
 
+``segfault_from_three_tokens`` is no bug class of its own: it kills its process, to show that a
+campaign records such a case and goes on.
+
 These are *not* registered: tests import them directly (registering would put them in every
 test's implementation matrix); campaigns name them as ``tests.fuzz_broken:<attr>``.
 """
@@ -23,6 +26,10 @@ import triton
 import triton.language as tl
 
 from fuzz.huge import register_launcher
+
+__all__ = ["CachedToyLayer", "SnapshotCache", "VersionKeyedCache", "empty_expert_garbage",
+           "int32_offsets", "launch_native_int32", "route_ties_to_higher_index",
+           "segfault_from_three_tokens", "snapshot_cache_layer", "stale_cache_layer"]
 from magi_moe.backends import interpreter_enabled
 from magi_moe.config import MoEConfig
 from magi_moe.kernels.native import block_schedule, choose_tiles
@@ -244,6 +251,17 @@ def snapshot_cache_layer(config: MoEConfig, device="cpu") -> CachedToyLayer:
     return CachedToyLayer(config, SnapshotCache(), device=device)
 
 
-__all__ = ["CachedToyLayer", "SnapshotCache", "VersionKeyedCache", "empty_expert_garbage",
-           "int32_offsets", "launch_native_int32", "route_ties_to_higher_index",
-           "snapshot_cache_layer", "stale_cache_layer"]
+
+
+# -- a case that kills its process (for the campaign runner's isolation, not a SPEC bug class) --
+def _segfault_from_three_tokens(x, table, weights, config, *, out):
+    if x.shape[0] >= 3:
+        import os
+        import signal
+        os.kill(os.getpid(), signal.SIGSEGV)  # what an int32 offset does to the interpreter
+    return out.copy_(expert_reference(x, table, weights, config, precision="bf16"))
+
+
+segfault_from_three_tokens = Implementation(
+    "broken-segfault", _segfault_from_three_tokens, ("cpu",), "bf16-plain",
+    description="BROKEN on purpose: kills its own process with SIGSEGV from 3 tokens on")

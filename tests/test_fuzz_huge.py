@@ -27,9 +27,9 @@ def test_lazy_pages_cost_nothing_and_read_zero():
     the routed rows itself and does not rely on the second part."""
     before = _resident_mib()
     big = torch.empty(2**31 + 2**20, dtype=torch.bfloat16)
-    sample = big[:: 2**22 + 17][:512].float()  # ~512 scattered pages
+    sample = big[:: 2**26 + 17][:16].float()  # 16 scattered pages (2 MiB each with huge pages)
     grown = _resident_mib() - before
-    assert grown < 64, f"touching 512 pages of a lazy 4 GiB tensor cost {grown:.0f} MiB"
+    assert grown < 64, f"touching 16 pages of a lazy 4 GiB tensor cost {grown:.0f} MiB"
     assert bool((sample == 0).all()), "fresh pages of a large torch.empty did not read as zero here"
 
 
@@ -48,10 +48,10 @@ def test_hand_built_table_is_valid_and_crosses_the_boundary():
 @campaign_target
 @pytest.mark.kernels_only
 @pytest.mark.needs("int64_offsets")
-@profiles.examples(0.25, at_least=1)
+@profiles.examples(0.125, at_least=1)
 @given(data=st.data())
-def test_huge_offsets(impl_backend, pytestconfig, data):
-    target = fuzzers.pytest_target(impl_backend, pytestconfig, "huge_offsets")
+def test_huge_offsets(impl_backend, data):
+    target = fuzzers.pytest_target(impl_backend, "huge_offsets")
     if launcher_for(target.impl.name) is None and target.backend.name != "cuda":
         pytest.skip(f"{target.impl.name} has no huge-input launcher (fuzz.huge.register_launcher)")
     case, params = data.draw(fuzzers.case_strategy("huge_offsets", target), label="case, params")

@@ -16,8 +16,8 @@ from fuzz.properties import campaign_target
 BUDGET = profiles.size_budget()
 
 
-def fuzz(prop: str, impl_backend, pytestconfig, data) -> None:
-    target = fuzzers.pytest_target(impl_backend, pytestconfig, prop)
+def fuzz(prop: str, impl_backend, data) -> None:
+    target = fuzzers.pytest_target(impl_backend, prop)
     case, params = data.draw(fuzzers.case_strategy(prop, target, budget=BUDGET), label="case, params")
     fuzzers.run(prop, target, case, params)
 
@@ -25,53 +25,53 @@ def fuzz(prop: str, impl_backend, pytestconfig, data) -> None:
 @campaign_target
 @profiles.examples(1.0)
 @given(data=st.data())
-def test_differential(impl_backend, pytestconfig, data):
+def test_differential(impl_backend, data):
     """Agreement with the float64 oracle on the same routes; no unwritten elements."""
-    fuzz("differential", impl_backend, pytestconfig, data)
+    fuzz("differential", impl_backend, data)
 
 
 @campaign_target
 @profiles.examples(0.5)
 @given(data=st.data())
-def test_token_permutation(impl_backend, pytestconfig, data):
-    fuzz("token_permutation", impl_backend, pytestconfig, data)
+def test_token_permutation(impl_backend, data):
+    fuzz("token_permutation", impl_backend, data)
 
 
 @campaign_target
 @profiles.examples(0.5)
 @given(data=st.data())
-def test_head_locality(impl_backend, pytestconfig, data):
-    fuzz("head_locality", impl_backend, pytestconfig, data)
+def test_head_locality(impl_backend, data):
+    fuzz("head_locality", impl_backend, data)
 
 
 @campaign_target
 @profiles.examples(0.5)
 @given(data=st.data())
-def test_linearity(impl_backend, pytestconfig, data):
-    fuzz("linearity", impl_backend, pytestconfig, data)
+def test_linearity(impl_backend, data):
+    fuzz("linearity", impl_backend, data)
 
 
 @campaign_target
 @profiles.examples(0.75)
 @given(data=st.data())
-def test_empty_experts(impl_backend, pytestconfig, data):
+def test_empty_experts(impl_backend, data):
     """(token, head) pairs whose experts were all emptied give exactly zero."""
-    fuzz("empty_experts", impl_backend, pytestconfig, data)
+    fuzz("empty_experts", impl_backend, data)
 
 
 @campaign_target
 @profiles.examples(0.25)
 @given(data=st.data())
-def test_zero_tokens(impl_backend, pytestconfig, data):
-    fuzz("zero_tokens", impl_backend, pytestconfig, data)
+def test_zero_tokens(impl_backend, data):
+    fuzz("zero_tokens", impl_backend, data)
 
 
 @campaign_target
 @pytest.mark.needs("deterministic")
 @profiles.examples(0.34)
 @given(data=st.data())
-def test_deterministic(impl_backend, pytestconfig, data):
-    fuzz("deterministic", impl_backend, pytestconfig, data)
+def test_deterministic(impl_backend, data):
+    fuzz("deterministic", impl_backend, data)
 
 
 @campaign_target

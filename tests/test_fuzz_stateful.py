@@ -25,8 +25,8 @@ TestSnapshotCacheSwaps.settings = settings(profiles.examples(1.0), stateful_step
 
 @campaign_target
 @pytest.mark.needs("weight_cache")
-def test_weight_swaps(impl_backend, pytestconfig):
-    target = fuzzers.pytest_target(impl_backend, pytestconfig, "differential")
+def test_weight_swaps(impl_backend):
+    target = fuzzers.pytest_target(impl_backend, "differential")
     machine = weight_swap_machine(layer_factory_for(target.spec), config=CONFIG, device=target.device,
                                   packed=PACKED.get(target.impl.name, EXPERT_PARAMS))
     run_state_machine_as_test(machine, settings=settings(profiles.examples(0.5), stateful_step_count=10))

@@ -51,6 +51,7 @@ def test_expert_cases_round_trip_through_json_and_build_identically(case):
     assert torch.equal(a.x, b.x) and all(torch.equal(u, v) for u, v in zip(a.weights, b.weights))
     assert torch.equal(a.table.gather_ids, b.table.gather_ids)
     assert bool(torch.isfinite(a.x).all()), "inputs must be finite in their dtype"
+    assert all(bool(torch.isfinite(w).all()) for w in a.weights), "weights must be finite in their dtype"
     validate_route_table(a.table, case.config)
     emptied = a.table.counts()[list(case.empty_banks)]
     assert int(emptied.sum()) == 0
