@@ -13,50 +13,19 @@ from typing import Literal
 
 import torch
 
-from magi_moe.reference import swiglu7
+from magi_moe.reference import PrecisionFaults, expert_reference
 from magi_moe.registry import Implementation
 
 Accumulation = Literal["fp32", "working"]
 
 
-def accumulate_in_working_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` summed term by term in ``a.dtype``: every product and partial sum is rounded,
-    as a kernel without an fp32 accumulator would. ``a`` ``[n, k]``, ``b`` ``[k, m]``."""
-    acc = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
-    for d in range(a.shape[1]):
-        acc = acc + a[:, d:d + 1] * b[d]
-    return acc
-
-
 def emulated_forward(x, table, weights, config, *, out, gate_up: Accumulation = "fp32",
                      down: Accumulation = "fp32", round_gate_up: bool = False) -> torch.Tensor:
-    """The expert computation with the given precision points; writes ``out`` ``[S, H*Dh]``."""
-    H, E, Dh = config.num_heads, config.num_experts, config.head_dim
-    work = x.dtype
-    acc = torch.zeros(x.shape[0], H, Dh, dtype=torch.float32, device=x.device)
-    offsets = table.offsets.tolist()
-    for f in range(config.num_banks):
-        lo, hi = offsets[f], offsets[f + 1]
-        if lo == hi:
-            continue
-        h = f // E
-        tokens = table.gather_ids[lo:hi].long()
-        xs = x[tokens, h * Dh:(h + 1) * Dh]
-        if gate_up == "fp32":
-            g = xs.float() @ weights.w_gate[f].float()
-            u = xs.float() @ weights.w_up[f].float()
-        else:
-            g = accumulate_in_working_dtype(xs, weights.w_gate[f]).float()
-            u = accumulate_in_working_dtype(xs, weights.w_up[f]).float()
-        if round_gate_up:
-            g, u = g.to(work).float(), u.to(work).float()
-        a = swiglu7(g, u).to(work)
-        if down == "fp32":
-            o = a.float() @ weights.w_down[f].float()
-        else:
-            o = accumulate_in_working_dtype(a, weights.w_down[f]).float()
-        acc[:, h].index_add_(0, tokens, o * table.sorted_probs[lo:hi].float()[:, None])
-    return out.copy_(acc.view(x.shape[0], H * Dh))
+    """The expert computation with the given precision points; writes ``out`` ``[S, H*Dh]``.
+    The reference's ``fp32acc`` emulation with :class:`~magi_moe.reference.PrecisionFaults`."""
+    faults = PrecisionFaults(gate_up_in_working_dtype=gate_up == "working",
+                             down_in_working_dtype=down == "working", round_gate_up=round_gate_up)
+    return out.copy_(expert_reference(x, table, weights, config, precision="fp32acc", faults=faults))
 
 
 def emulated_implementation(name: str, *, gate_up: Accumulation = "fp32",

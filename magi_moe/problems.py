@@ -74,7 +74,7 @@ def run_poisoned(impl: Implementation, problem: Problem) -> torch.Tensor:
 
 
 def relative_l2(result: torch.Tensor, reference: torch.Tensor) -> float:
-    ref = reference.double()
+    ref = reference.detach().double()
     denom = ref.norm()
-    diff = (result.double() - ref).norm()
+    diff = (result.detach().double() - ref).norm()
     return float(diff / denom) if denom > 0 else float(diff)

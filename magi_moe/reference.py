@@ -16,6 +16,7 @@ A per-expert loop over the route table keeps all three short.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -36,6 +37,26 @@ def swiglu7(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return g * torch.sigmoid(SWIGLU_ALPHA * g) * (u.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT) + 1)
 
 
+@dataclass(frozen=True)
+class PrecisionFaults:
+    """Departures from the ``fp32acc`` precision points, for building the broken variants the
+    auditors must catch: gate/up or down summed term by term in the working dtype (no fp32
+    accumulator), or g and u rounded to the working dtype before SwiGLU7's clamp."""
+
+    gate_up_in_working_dtype: bool = False
+    down_in_working_dtype: bool = False
+    round_gate_up: bool = False
+
+
+def sum_in_working_dtype(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` summed term by term in ``a.dtype``: every product and partial sum is rounded,
+    as a kernel without an fp32 accumulator would. ``a`` ``[n, k]``, ``b`` ``[k, m]``."""
+    acc = torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
+    for d in range(a.shape[1]):
+        acc = acc + a[:, d:d + 1] * b[d]
+    return acc
+
+
 def expert_reference(
     x: torch.Tensor,
     table: RouteTable,
@@ -43,12 +64,17 @@ def expert_reference(
     config: MoEConfig,
     *,
     precision: Precision = "float64",
+    faults: PrecisionFaults | None = None,
 ) -> torch.Tensor:
     """``y[s, h*Dh:(h+1)*Dh] = sum_k p * expert_{h,e}(x[s, h])`` over the routes of ``table``.
 
     Returns float64 for ``precision="float64"``, else ``x.dtype``. Under ``fp32acc`` the fp32
     matmuls must not use TF32 (``torch.backends.cuda.matmul.allow_tf32`` is False by default).
+    ``faults`` (``fp32acc`` only) breaks chosen precision points on purpose.
     """
+    faults = faults or PrecisionFaults()
+    if faults != PrecisionFaults() and precision != "fp32acc":
+        raise ValueError(f"faults apply to precision='fp32acc' only, got precision={precision!r}")
     H, E, Dh = config.num_heads, config.num_experts, config.head_dim
     check_expert_inputs(x, table, weights, config)
     if precision == "float64":
@@ -71,13 +97,21 @@ def expert_reference(
         lo, hi = offsets[f], offsets[f + 1]
         tokens = table.gather_ids[lo:hi].long()
         xs = xw[tokens, h * Dh:(h + 1) * Dh]
-        g = xs @ weights.w_gate[f].to(work)
-        u = xs @ weights.w_up[f].to(work)
+        if faults.gate_up_in_working_dtype:
+            g = sum_in_working_dtype(x[tokens, h * Dh:(h + 1) * Dh], weights.w_gate[f])
+            u = sum_in_working_dtype(x[tokens, h * Dh:(h + 1) * Dh], weights.w_up[f])
+        else:
+            g = xs @ weights.w_gate[f].to(work)
+            u = xs @ weights.w_up[f].to(work)
+        if faults.round_gate_up:
+            g, u = g.to(x.dtype), u.to(x.dtype)
         a = swiglu7(g.to(acc_dtype), u.to(acc_dtype))
         if precision == "fp32acc":
             a = a.to(x.dtype)  # the single rounding of the down-projection operand
-        a = a.to(work)
-        out = (a @ weights.w_down[f].to(work)).to(acc_dtype)
+        if faults.down_in_working_dtype:
+            out = sum_in_working_dtype(a, weights.w_down[f]).to(acc_dtype)
+        else:
+            out = (a.to(work) @ weights.w_down[f].to(work)).to(acc_dtype)
         contribution = out * table.sorted_probs[lo:hi].to(acc_dtype)[:, None]
         if precision == "bf16":
             contribution = contribution.to(x.dtype).to(acc_dtype)  # one rounding per route
