@@ -109,3 +109,22 @@ def cuda_device():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     return torch.device("cuda")
+
+
+@pytest.fixture(params=[pytest.param("interpret", marks=pytest.mark.interpret),
+                        pytest.param("cuda", marks=pytest.mark.cuda)])
+def triton_device(request) -> torch.device:
+    """Each backend that runs Triton kernels; skipped with the reason where it is missing."""
+    why = BACKENDS[request.param].unavailable_reason()
+    if why:
+        pytest.skip(f"backend {request.param} unavailable: {why}")
+    return torch.device(BACKENDS[request.param].device)
+
+
+@pytest.fixture
+def single_thread():
+    """Many small float64 ops: one torch thread avoids oversubscribing the 2-core CI machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

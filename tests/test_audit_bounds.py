@@ -21,13 +21,7 @@ from tests.audit_broken import (BF16_DOWN_ACCUMULATION, BF16_GATE_UP_ACCUMULATIO
                                 CORRECT_EMULATION, ROUNDS_BEFORE_SWIGLU)
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    """Many small float64 ops: one thread avoids oversubscription on the 2-core CI machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest
 
 
 @pytest.fixture(scope="module")

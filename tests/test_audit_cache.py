@@ -17,12 +17,7 @@ from tests.audit_broken import correct_cache_layer, repacking_cache_layer, stale
 TINY = preset("tiny")
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest
 
 
 def test_stale_identity_key_is_caught():

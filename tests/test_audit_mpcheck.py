@@ -10,12 +10,7 @@ from audit import mpcheck
 from audit.precision import BF16, FP32
 
 
-@pytest.fixture(autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest
 
 
 @pytest.fixture(scope="module")

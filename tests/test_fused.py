@@ -20,7 +20,6 @@ import textwrap
 import pytest
 import torch
 
-from magi_moe.backends import BACKENDS
 from magi_moe.config import MoEConfig, preset
 from magi_moe.problems import Problem, random_problem, relative_l2, routes_to
 from magi_moe.reference import expert_reference
@@ -28,13 +27,9 @@ from magi_moe.routing import RouteTable, Routes, build_route_table, route
 from magi_moe.weights import ExpertWeights
 
 
-@pytest.fixture(params=[pytest.param("interpret", marks=pytest.mark.interpret),
-                        pytest.param("cuda", marks=pytest.mark.cuda)])
-def device(request) -> torch.device:
-    why = BACKENDS[request.param].unavailable_reason()
-    if why:
-        pytest.skip(f"backend {request.param} unavailable: {why}")
-    return torch.device(BACKENDS[request.param].device)
+@pytest.fixture
+def device(triton_device) -> torch.device:
+    return triton_device
 
 
 def F():

@@ -13,7 +13,6 @@ import pytest
 import torch
 from torch import nn
 
-from magi_moe.backends import BACKENDS
 from magi_moe.config import preset
 from magi_moe.layer import MagiMoE
 from magi_moe.packed_weights import PackedWeightCache, gate_up_views, is_packed_pair
@@ -190,13 +189,9 @@ def test_layer_protocol():
 # ---------------------------------------------------------------------------------------------
 # with the kernels: the output follows every route
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(params=[pytest.param("interpret", marks=pytest.mark.interpret),
-                        pytest.param("cuda", marks=pytest.mark.cuda)])
-def device(request) -> torch.device:
-    why = BACKENDS[request.param].unavailable_reason()
-    if why:
-        pytest.skip(f"backend {request.param} unavailable: {why}")
-    return torch.device(BACKENDS[request.param].device)
+@pytest.fixture
+def device(triton_device) -> torch.device:
+    return triton_device
 
 
 @torch.no_grad()
