@@ -271,37 +271,40 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
 # tile sweep
 # ---------------------------------------------------------------------------------------------
 # Gate/up candidates as FusedTiles fields, each with the programs per SM to try: "kloop" loops
-# over Dh per column tile, "wide" loads a block's x rows once and loops over column tiles.
-# Version 2's sweep (NOTES-perf.md) also tried tl.range(flatten=True) loops: slower for kloop
-# and wrong results for wide on Triton 3.6, so that option is gone.
-def _gu(variant, bm, bn, bk_or_split, warps, stages, ppsm=(1, 2), maxnreg=0):
-    tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_warps=warps, gu_stages=stages,
-                 gu_maxnreg=maxnreg)
-    tiles["gu_block_k" if variant == "kloop" else "gu_n_split"] = bk_or_split
+# over Dh per column tile, "wide" loads a block's x rows once and loops over column tiles,
+# "tma"/"tma_gathered" load tiles by tensor descriptor (kernels/fused_tma.py), "ws" asks
+# Triton to warp-specialise the K loop. Versions 1-3 (NOTES-perf.md) also tried flattened
+# loops, the wide kernel, BK=16, 64x256 tiles and register caps: slower everywhere, dropped.
+def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), ws=False):
+    tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_block_k=bk, gu_warps=warps,
+                 gu_stages=stages, gu_warp_specialize=ws)
     return [{**tiles, "gu_programs_per_sm": p} for p in ppsm]
 
 
-def _dn(bm, bn, bk, warps, stages, ppsm=(1, 2)):
+def _dn(bm, bn, bk, warps, stages, ppsm=(1, 2), variant="ptr", ws=False):
     return [dict(block_m=bm, down_block_n=bn, down_block_k=bk, down_warps=warps,
-                 down_stages=stages, down_programs_per_sm=p) for p in ppsm]
+                 down_stages=stages, down_programs_per_sm=p, down_variant=variant,
+                 down_warp_specialize=ws) for p in ppsm]
 
 
 GATE_UP_CANDIDATES = tuple(c for group in (
-    # the best of versions 1-2
-    _gu("kloop", 64, 128, 32, 4, 4, (2,)), _gu("kloop", 128, 128, 32, 8, 4, (1,)),
-    _gu("kloop", 64, 64, 64, 4, 4, (2,)),
-    # deeper pipelines, more programs per SM, wider column tiles, register caps for occupancy
-    _gu("kloop", 64, 128, 32, 4, 5, (2,)), _gu("kloop", 64, 128, 16, 4, 6, (2, 3)),
-    _gu("kloop", 64, 64, 32, 4, 4, (3,), maxnreg=168),
-    _gu("kloop", 64, 256, 32, 8, 4, (1,)), _gu("kloop", 64, 256, 32, 8, 3, (1, 2)),
-    _gu("kloop", 128, 64, 32, 8, 4, (1,)), _gu("kloop", 128, 64, 32, 8, 4, (2,), maxnreg=128),
-    _gu("kloop", 128, 64, 32, 8, 3, (2,), maxnreg=128),
-    # x rows loaded once per block
-    _gu("wide", 64, 64, 2, 4, 2, (1,)), _gu("wide", 128, 64, 1, 8, 2, (1,)),
+    # version 3's winners (pointer loads)
+    _gu("kloop", 64, 128, 32, 4, 5, (2,)), _gu("kloop", 64, 128, 32, 4, 4, (2,)),
+    _gu("kloop", 64, 64, 64, 4, 4, (2,)), _gu("kloop", 128, 128, 32, 8, 4, (1,)),
+    # weight tiles by descriptor
+    _gu("tma", 64, 128, 32, 4, 4, (2,)), _gu("tma", 64, 128, 32, 4, 5, (2,)),
+    _gu("tma", 64, 128, 64, 4, 3), _gu("tma", 128, 128, 32, 8, 4, (1,)),
+    # both operands by descriptor, x rows gathered first; warp-specialised
+    _gu("tma_gathered", 64, 128, 32, 4, 5, (2,)), _gu("tma_gathered", 64, 128, 64, 4, 3),
+    _gu("tma_gathered", 64, 128, 32, 4, 4, (2,), ws=True),
+    _gu("tma_gathered", 64, 128, 64, 4, 3, (1,), ws=True),
+    _gu("tma_gathered", 128, 128, 64, 8, 3, (1,)),
 ) for c in group)
 DOWN_CANDIDATES = tuple(c for group in (
-    _dn(64, 128, 64, 4, 4), _dn(64, 256, 64, 8, 4), _dn(128, 256, 64, 8, 4), _dn(128, 256, 64, 8, 3),
-    _dn(128, 256, 32, 8, 4), _dn(128, 128, 64, 8, 4),
+    _dn(64, 128, 64, 4, 4), _dn(64, 256, 64, 8, 4), _dn(128, 256, 64, 8, 3), _dn(128, 128, 64, 8, 4),
+    _dn(64, 128, 64, 4, 4, variant="tma"), _dn(64, 256, 64, 8, 3, variant="tma"),
+    _dn(64, 128, 64, 4, 4, (2,), variant="tma", ws=True),
+    _dn(128, 256, 64, 8, 3, (1,), variant="tma"), _dn(128, 128, 64, 8, 4, variant="tma"),
 ) for c in group)
 SUM_CANDIDATES = ((8, 4), (16, 4), (32, 4), (32, 8))
 ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
@@ -460,10 +463,27 @@ def best_routing(sweeps: list[dict]) -> dict:
     return dict(min((v, k) for k, v in scores.items())[1])
 
 
+def merged_classes(swept: list[tuple[float, object]], device_name: str, path=None):
+    """The GPU's tabled classes with the swept ones put in: each swept group (routes per bank,
+    tiles) replaces the tiles of the tabled class it falls in; edges and other classes stay.
+    None when the GPU has no table yet."""
+    from .kernels.fused import load_tile_table
+
+    tabled = load_tile_table(device_name, path)
+    if not tabled:
+        return None
+    classes = list(tabled)
+    for centre, tiles in swept:
+        i = next(i for i, (edge, _) in enumerate(classes) if centre <= edge)
+        classes[i] = (classes[i][0], tiles)
+    return classes
+
+
 def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iters: int,
-              flush_mib: int, write: bool) -> dict:
-    """Sweep every case, group the cases by routes per bank, write the winners per group."""
-    from .kernels.fused import write_tile_table
+              flush_mib: int, write: bool, merge: bool = False) -> dict:
+    """Sweep every case, group the cases by routes per bank, write the winners per group
+    (``merge``: into the tabled classes they fall in, keeping the rest of the table)."""
+    from .kernels.fused import load_device_entry, write_tile_table
 
     per_case = {}
     for case in cases:
@@ -484,6 +504,12 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
         edge = math.sqrt(c * centres[i + 1]) if i + 1 < len(centres) else None
         classes.append((edge, best_tiles(groups[c])))
     routing = best_routing([e["sweep"] for e in per_case.values()])
+    if merge and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        tabled = merged_classes([(c, best_tiles(groups[c])) for c in centres], name)
+        if tabled is not None:
+            classes = [(None if math.isinf(edge) else edge, tiles) for edge, tiles in tabled]
+            routing = (load_device_entry(name) or {}).get("routing", routing)
     summary = {"per_case": per_case, "routing": routing,
                "classes": [{"max_routes_per_bank": e, "tiles": asdict(t)} for e, t in classes]}
     if write and device.type == "cuda":
@@ -549,6 +575,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep", action="store_true", help="sweep the fused kernels' tiles first")
     ap.add_argument("--write-tiles", action="store_true", help="with --sweep: update tiles/fused.json")
     ap.add_argument("--sweep-only", action="store_true", help="with --sweep: no benchmark after it")
+    ap.add_argument("--merge-tiles", action="store_true",
+                    help="with --write-tiles: replace only the tabled classes the swept cases fall in")
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args(argv)
     args.paths = tuple(p for p in args.paths.split(",") if p)
@@ -572,7 +600,8 @@ def main(argv=None) -> int:
                     "ceilings": {"copy_gbps": COPY_GBPS, "matmul_tflops": MATMUL_TFLOPS}}
     if args.sweep:
         report["sweep"] = run_sweep(cases, device=device, warmup=3, iters=max(5, args.iters // 5),
-                                    flush_mib=args.flush_mib, write=args.write_tiles)
+                                    flush_mib=args.flush_mib, write=args.write_tiles,
+                                    merge=args.merge_tiles)
         print(json.dumps({k: report["sweep"][k] for k in ("classes", "routing")}, indent=1), flush=True)
     results = []
     for case in ([] if args.sweep and args.sweep_only else cases):

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # GPU checks in one device call, uses the machine's own torch/triton/pytest (nothing installed):
 #   bash scripts/gpu_check.sh [STEP ...]     STEP: tests audit ep fuzz bench (default: tests audit)
-#   tests  the suite on the CUDA backend (CPU backends are CI's job), JUnit XML + log
+#   tests  the suite on the CUDA backend (CPU backends are CI's job), JUnit XML + log;
+#          TEST_WORKERS pytest-xdist workers sharing the GPU (default 8), TEST_ARGS extra args
 #   audit  python -m audit --backend cuda (production shapes)
 #   ep     expert parallelism over NCCL (needs 2 GPUs: scripts/gpu_ep.sh)
-#   fuzz   a fuzz campaign on CUDA for FUZZ_BUDGET seconds
+#   fuzz   a fuzz campaign on CUDA for FUZZ_BUDGET seconds, FUZZ_WORKERS xdist workers (4),
+#          resuming from FUZZ_DB (.hypothesis/fuzz-db; returned as fuzz-db.tgz), FUZZ_ARGS extra
 #   bench  the fused benchmarks (scripts/gpu_fused.sh bench)
 # Each step has a timeout (STEP_TIMEOUT_<step> seconds). Results land in $OUT (./gpu-results).
 set -uo pipefail
@@ -29,11 +31,16 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in "${steps[@]}"; do
   case $step in
     tests) run_step tests 300 python3 -m pytest -m "not slow and not benchmark" --backend cuda -q \
-             -p no:cacheprovider --durations=10 -W ignore --junitxml="$OUT/tests.xml" ;;
+             -n "${TEST_WORKERS:-8}" -p no:cacheprovider --durations=15 -W ignore \
+             --junitxml="$OUT/tests.xml" ${TEST_ARGS:-} ;;
     audit) run_step audit 240 python3 -m audit --backend cuda --out "$OUT/audit" ;;
     ep)    run_step ep 120 bash scripts/gpu_ep.sh -q ;;
     fuzz)  run_step fuzz "$(( ${FUZZ_BUDGET:-120} + 60 ))" python3 -m fuzz --backend cuda \
-             --budget-seconds "${FUZZ_BUDGET:-120}" --out "$OUT/fuzz" ;;
+             --budget-seconds "${FUZZ_BUDGET:-120}" --workers "${FUZZ_WORKERS:-4}" \
+             --db "${FUZZ_DB:-.hypothesis/fuzz-db}" --out "$OUT/fuzz" ${FUZZ_ARGS:-}
+           # the example database, so that a later run (another machine) resumes from it
+           tar czf "$OUT/fuzz-db.tgz" -C "$(dirname "${FUZZ_DB:-.hypothesis/fuzz-db}")" \
+             "$(basename "${FUZZ_DB:-.hypothesis/fuzz-db}")" 2>/dev/null ;;
     bench) run_step bench 300 bash scripts/gpu_fused.sh bench ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac

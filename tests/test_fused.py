@@ -146,7 +146,11 @@ def test_packed_and_plain_weights_give_the_same_bits(device):
     dict(gu_variant="kloop", gu_block_n=32, gu_block_k=16, down_block_n=16, down_block_k=32),
     dict(gu_variant="wide", gu_block_n=16, gu_n_split=2),
     dict(gu_variant="wide", block_m=32, gu_block_n=32, gu_n_split=1),
-], ids=["kloop-small-tiles", "wide-split", "wide-bm32"])
+    dict(gu_variant="tma", gu_block_n=32, gu_block_k=16, down_variant="tma", down_block_n=16,
+         down_block_k=32),
+    dict(gu_variant="tma_gathered", block_m=32, gu_block_n=64, gu_block_k=16,
+         down_variant="tma", down_block_k=16),
+], ids=["kloop-small-tiles", "wide-split", "wide-bm32", "tma", "tma-gathered"])
 @pytest.mark.parametrize("head_dim", [32, 48])  # 48: the wide kernel masks its padded width
 def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     fused = F()
@@ -157,6 +161,88 @@ def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     fused.fused_forward(problem.x, problem.table, problem.weights, cfg, out=out, tiles=tiles,
                         workspace=fused.FusedWorkspace(device))
     assert_close_to_oracle(out, problem)
+
+
+class RecordingKernel:
+    """Stands in for a Triton kernel and records each launch by name."""
+
+    def __init__(self, kernel, name: str, log: list):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.log.append(self.name)
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.fixture
+def descriptor_launches(monkeypatch) -> list:
+    from magi_moe.kernels import fused_tma
+    log: list = []
+    for name in ("gate_up_tma_kernel", "down_tma_kernel", "gather_rows_kernel"):
+        monkeypatch.setattr(fused_tma, name, RecordingKernel(getattr(fused_tma, name), name, log))
+    return log
+
+
+def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None) -> torch.Tensor:
+    from magi_moe.debug import poison_workspaces
+
+    fused = F()
+    out = torch.full_like(problem.x, float("nan"))
+    with poison_workspaces():
+        fused.fused_forward(problem.x, problem.table, weights or problem.weights, problem.config,
+                            out=out, tiles=tiles, workspace=fused.FusedWorkspace(problem.x.device))
+    return out
+
+
+@pytest.mark.parametrize("gu_variant", ["tma", "tma_gathered"])
+def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant,
+                                                                    descriptor_launches):
+    """The descriptor kernels are really launched (no silent fallback) and compute what the
+    pointer kernels compute: the same bits under the interpreter (same operations in the same
+    order), the oracle's accuracy on a GPU."""
+    from magi_moe.kernels.fused_tma import tma_supported
+
+    fused = F()
+    if not tma_supported(device):
+        pytest.skip("tensor descriptors need Hopper or later")
+    problem = random_problem(preset("small"), 45, seed=21, device=device)
+    base = fused.INTERPRETER_TILES if device.type == "cpu" else fused.PORTABLE_TILES
+    pointer = fused.FusedTiles(**{**vars(base), "gu_block_k": 32, "down_block_k": 32}).fitted(problem.config)
+    descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": gu_variant, "down_variant": "tma"})
+    want = _forward_with(problem, pointer)
+    assert descriptor_launches == []
+    got = _forward_with(problem, descriptor)
+    expected = ["gate_up_tma_kernel", "down_tma_kernel"]
+    if gu_variant == "tma_gathered":
+        expected.insert(0, "gather_rows_kernel")
+    assert descriptor_launches == expected
+    if device.type == "cpu":
+        assert torch.equal(got, want)
+    else:
+        assert_close_to_oracle(got, problem)
+
+
+def test_descriptor_variants_fall_back_on_unaligned_weights(device, descriptor_launches):
+    """A weight whose base is not 16-byte aligned cannot be a TMA source: the pointer kernels
+    run instead, with the same result."""
+    fused = F()
+    problem = random_problem(preset("small"), 29, seed=22, device=device)
+    w = problem.weights
+    storage = torch.empty(w.w_down.numel() + 1, dtype=w.w_down.dtype, device=device)
+    odd = storage[1:].view(w.w_down.shape)  # base 2 bytes past an aligned allocation
+    odd.copy_(w.w_down)
+    gate_storage = torch.empty(w.w_gate.numel() + 1, dtype=w.w_gate.dtype, device=device)
+    odd_gate = gate_storage[1:].view(w.w_gate.shape)
+    odd_gate.copy_(w.w_gate)
+    weights = ExpertWeights(odd_gate, w.w_up, odd)
+    base = fused.INTERPRETER_TILES if device.type == "cpu" else fused.PORTABLE_TILES
+    pointer = base.fitted(problem.config)
+    descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": "tma", "down_variant": "tma"})
+    got = _forward_with(problem, descriptor, weights)
+    assert descriptor_launches == []
+    assert torch.equal(got, _forward_with(problem, pointer, weights))
 
 
 def test_fp16(device):

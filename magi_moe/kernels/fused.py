@@ -60,6 +60,7 @@ from ..inputs import check_expert_inputs
 from ..routing import RouteTable
 from ..validation import check_tensor
 from ..weights import ExpertWeights
+from . import fused_tma as T
 from .rounding import round_to, swiglu7
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -346,13 +347,20 @@ class FusedTiles:
     gu_block_k: int = 64
     gu_warps: int = 4
     gu_stages: int = 3
-    gu_variant: str = "kloop"   # "kloop": K-loop per column tile; "wide": x rows loaded once
+    # "kloop": K-loop per column tile; "wide": x rows loaded once; "tma": kloop with weight
+    # tiles by tensor descriptor; "tma_gathered": x rows gathered first, both operands by
+    # descriptor (kernels/fused_tma.py). Descriptor variants fall back to "kloop" where TMA is
+    # unavailable (before Hopper, unaligned weights).
+    gu_variant: str = "kloop"
     gu_n_split: int = 1         # "wide": work items per row block
     gu_maxnreg: int = 0         # register cap per thread (0: the compiler's choice), for occupancy
+    gu_warp_specialize: bool = False  # descriptor variants: tl.range(warp_specialize=...)
     down_block_n: int = 128
     down_block_k: int = 64
     down_warps: int = 4
     down_stages: int = 3
+    down_variant: str = "ptr"   # "ptr": pointer loads; "tma": both operands by descriptor
+    down_warp_specialize: bool = False
     sum_block_t: int = 16
     sum_warps: int = 4
     # Persistent grids: programs per multiprocessor (the occupancy the tiles allow).
@@ -591,12 +599,24 @@ def _dot_modes() -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"  # tf32 is never used: operands are 16-bit
 
 
+GATE_UP_VARIANTS = ("kloop", "wide", "tma", "tma_gathered")
+DOWN_VARIANTS = ("ptr", "tma")
+
+
 def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
-                   schedule: BlockSchedule, act: torch.Tensor, tiles: FusedTiles) -> None:
-    """Kernel 2: SwiGLU7 activations of every live block into ``act`` ``[max_blocks*BLOCK_M, I]``."""
+                   schedule: BlockSchedule, act: torch.Tensor, tiles: FusedTiles,
+                   workspace: FusedWorkspace | None = None) -> None:
+    """Kernel 2: SwiGLU7 activations of every live block into ``act`` ``[max_blocks*BLOCK_M, I]``
+    (``tma_gathered`` first gathers the blocks' ``x`` rows into a ``workspace`` buffer)."""
+    if tiles.gu_variant not in GATE_UP_VARIANTS:
+        raise ValueError(f"FusedTiles.gu_variant must be one of {GATE_UP_VARIANTS}, "
+                         f"got {tiles.gu_variant!r}")
     upcast, precision = _dot_modes()
     wg, wu = weights.w_gate, weights.w_up
     I = config.intermediate_size
+    if tiles.gu_variant.startswith("tma") and _launch_gate_up_tma(
+            x, table, weights, config, schedule, act, tiles, workspace):
+        return
     common = (x, wg, wu, table.gather_ids, table.offsets,
               schedule.block_bank, schedule.block_start, schedule.block_count, act,
               x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
@@ -614,8 +634,6 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
             num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
         )
         return
-    if tiles.gu_variant != "kloop":
-        raise ValueError(f"FusedTiles.gu_variant must be 'kloop' or 'wide', got {tiles.gu_variant!r}")
     work = schedule.max_blocks * (I // tiles.gu_block_n)
     gate_up_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
         *common, HEAD_DIM=config.head_dim, INTER=I,
@@ -625,14 +643,64 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
     )
 
 
+def _launch_gate_up_tma(x, table, weights, config, schedule, act, tiles, workspace) -> bool:
+    """The descriptor variants of kernel 2; False (nothing launched) where TMA cannot run."""
+    if not T.tma_supported(x.device):
+        return False
+    bk, bn = tiles.gu_block_k, tiles.gu_block_n
+    wg_desc = T.banked_descriptor(weights.w_gate, [bk, bn])
+    wu_desc = T.banked_descriptor(weights.w_up, [bk, bn])
+    if wg_desc is None or wu_desc is None:
+        return False
+    gathered = tiles.gu_variant == "tma_gathered"
+    xg_desc = None
+    if gathered:
+        workspace = workspace or shared_workspace(x.device)
+        xg = workspace.get("x_gathered", (schedule.max_blocks * tiles.block_m, config.head_dim),
+                           x.dtype)
+        xg_desc = T.matrix_descriptor(xg, [tiles.block_m, bk])
+        if xg_desc is None:
+            return False
+        T.launch_gather_rows(x, table, schedule, xg, config)
+    upcast, precision = _dot_modes()
+    work = schedule.max_blocks * (config.intermediate_size // bn)
+    T.gate_up_tma_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
+        x, xg_desc, wg_desc, wu_desc, table.gather_ids, table.offsets,
+        schedule.block_bank, schedule.block_start, schedule.block_count, act,
+        x.stride(0), act.stride(0), config.num_experts,
+        HEAD_DIM=config.head_dim, INTER=config.intermediate_size,
+        BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk, X_GATHERED=gathered,
+        WARP_SPEC=tiles.gu_warp_specialize, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
+    )
+    return True
+
+
 def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,
                 schedule: BlockSchedule, act: torch.Tensor, rows: torch.Tensor,
                 slot_route: torch.Tensor, tiles: FusedTiles) -> None:
     """Kernel 3: weighted fp32 rows per route into ``rows`` ``[R, Dh]`` and ``slot_route``."""
+    if tiles.down_variant not in DOWN_VARIANTS:
+        raise ValueError(f"FusedTiles.down_variant must be one of {DOWN_VARIANTS}, "
+                         f"got {tiles.down_variant!r}")
     upcast, precision = _dot_modes()
     wd = weights.w_down
     Dh = config.head_dim
     work = schedule.max_blocks * (Dh // tiles.down_block_n)
+    if tiles.down_variant == "tma" and T.tma_supported(act.device):
+        act_desc = T.matrix_descriptor(act, [tiles.block_m, tiles.down_block_k])
+        wd_desc = T.banked_descriptor(wd, [tiles.down_block_k, tiles.down_block_n])
+        if act_desc is not None and wd_desc is not None:
+            T.down_tma_kernel[(persistent_grid(work, tiles.down_programs_per_sm, act.device),)](
+                act_desc, wd_desc, table.sorted_probs, table.route_slots, table.offsets,
+                schedule.block_bank, schedule.block_start, schedule.block_count, rows,
+                slot_route, rows.stride(0),
+                HEAD_DIM=Dh, INTER=config.intermediate_size,
+                BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
+                WARP_SPEC=tiles.down_warp_specialize, UPCAST=upcast, DOT_PRECISION=precision,
+                num_warps=tiles.down_warps, num_stages=tiles.down_stages,
+            )
+            return
     down_kernel[(persistent_grid(work, tiles.down_programs_per_sm, act.device),)](
         act, wd, table.sorted_probs, table.route_slots, table.offsets,
         schedule.block_bank, schedule.block_start, schedule.block_count, rows, slot_route,
@@ -659,7 +727,7 @@ def launch_route_rows(x: torch.Tensor, table: RouteTable, weights: ExpertWeights
                                          workspace)
     act = workspace.get("act", (schedule.max_blocks * tiles.block_m, config.intermediate_size),
                         weights.w_down.dtype)
-    launch_gate_up(x, table, weights, config, schedule, act, tiles)
+    launch_gate_up(x, table, weights, config, schedule, act, tiles, workspace)
     launch_down(table, weights, config, schedule, act, rows, slot_route, tiles)
 
 

@@ -1,0 +1,206 @@
+"""Tensor-descriptor (TMA) variants of the fused path's two GEMM kernels, for Hopper and later.
+
+Same work items, same fp32 accumulation order and the same outputs as ``gate_up_kernel`` and
+``down_kernel`` in :mod:`magi_moe.kernels.fused`; the difference is how tiles reach shared
+memory. A tensor descriptor load is one bulk copy issued by one thread (the copy engine does
+the address arithmetic), where a pointer load costs every thread address registers and issue
+slots: with a reduction only ``Dh = 256`` deep, gate/up spends a large share of each work
+item on loads, which is what these variants attack (NOTES-perf.md, version 4).
+
+* ``gate_up_tma_kernel``: weight tiles by descriptor. With ``X_GATHERED`` the block's ``x``
+  rows come from a buffer that ``gather_rows_kernel`` filled in padded-block order, so both
+  operands are descriptor loads (the form Triton's warp specialisation needs); otherwise they
+  are gathered by pointer loads as in the plain kernel.
+* ``down_tma_kernel``: the activation rows and the ``W_down`` tiles by descriptor.
+
+Descriptors view the weights as 2-D ``[banks * rows_per_bank, cols]`` through their strides,
+so a tile at ``(bank * rows_per_bank + k, n)`` never crosses a bank (the reductions are whole
+multiples of ``BLOCK_K``). Descriptor coordinates are int32: callers check the row counts.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..backends import interpreter_enabled
+from .rounding import round_to, swiglu7
+
+
+@triton.jit
+def gather_rows_kernel(
+    x_ptr,            # [S, H*Dh] input, unit stride in the last dim
+    gather_ptr,       # [R] int32 token of each route (CSR order)
+    offsets_ptr,      # [H*E + 1] int64 CSR offsets
+    block_bank_ptr,   # [max_blocks] int32
+    block_start_ptr,  # [max_blocks] int64
+    block_count_ptr,  # [1] int32 live blocks
+    xg_ptr,           # [max_blocks*BLOCK_M, Dh] out: each live block's x rows, zeros as padding
+    stride_x,
+    stride_xg,
+    num_experts,
+    HEAD_DIM: tl.constexpr,
+    DH_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    block = tl.program_id(0)  # one program per possible block; those past the live count exit
+    if block < tl.load(block_count_ptr):
+        bank = tl.load(block_bank_ptr + block).to(tl.int64)
+        start = tl.load(block_start_ptr + block)
+        end = tl.load(offsets_ptr + bank + 1)
+        head = bank // num_experts
+        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_mask = rows < end
+        tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        d = tl.arange(0, DH_PAD)
+        d_mask = d < HEAD_DIM
+        vals = tl.load(x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + d[None, :],
+                       mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+        padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        tl.store(xg_ptr + padded[:, None] * stride_xg + d[None, :], vals, mask=d_mask[None, :])
+
+
+@triton.jit
+def gate_up_tma_kernel(
+    x_ptr,            # [S, H*Dh] input (read when not X_GATHERED)
+    xg_desc,          # [max_blocks*BLOCK_M, Dh] gathered rows (read when X_GATHERED)
+    wg_desc,          # [H*E*Dh, I] gate weights
+    wu_desc,          # [H*E*Dh, I] up weights
+    gather_ptr, offsets_ptr, block_bank_ptr, block_start_ptr, block_count_ptr,
+    act_ptr,          # [max_blocks*BLOCK_M, I] out
+    stride_x,
+    stride_act,
+    num_experts,
+    HEAD_DIM: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    X_GATHERED: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    num_n: tl.constexpr = INTER // BLOCK_N
+    work = tl.load(block_count_ptr) * num_n
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+        block = item // num_n
+        n0 = (item % num_n) * BLOCK_N
+        bank = tl.load(block_bank_ptr + block)
+        w_row = bank * HEAD_DIM
+        if not X_GATHERED:
+            start = tl.load(block_start_ptr + block)
+            end = tl.load(offsets_ptr + bank.to(tl.int64) + 1)
+            rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+            row_mask = rows < end
+            tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+            head = bank.to(tl.int64) // num_experts
+            x_ptrs = x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + tl.arange(0, BLOCK_K)[None, :]
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in tl.range(0, HEAD_DIM // BLOCK_K, warp_specialize=WARP_SPEC):
+            k0 = kk * BLOCK_K
+            if X_GATHERED:
+                a = xg_desc.load([block * BLOCK_M, k0])
+            else:
+                a = tl.load(x_ptrs + k0, mask=row_mask[:, None], other=0.0)
+            wg = wg_desc.load([w_row + k0, n0])
+            wu = wu_desc.load([w_row + k0, n0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+
+        act = round_to(swiglu7(acc_g, acc_u), act_ptr.dtype.element_ty, UPCAST)
+        padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
+
+
+@triton.jit
+def down_tma_kernel(
+    act_desc,         # [max_blocks*BLOCK_M, I] activations
+    wd_desc,          # [H*E*I, Dh] down weights
+    probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr, block_count_ptr,
+    rows_ptr,         # [R, Dh] fp32 out
+    slot_route_ptr,   # [S*H*K] int32 out
+    stride_rows,
+    HEAD_DIM: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    num_n: tl.constexpr = HEAD_DIM // BLOCK_N
+    work = tl.load(block_count_ptr) * num_n
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+        block = item // num_n
+        n0 = (item % num_n) * BLOCK_N
+        bank = tl.load(block_bank_ptr + block)
+        w_row = bank * INTER
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in tl.range(0, INTER // BLOCK_K, warp_specialize=WARP_SPEC):
+            k0 = kk * BLOCK_K
+            a = act_desc.load([block * BLOCK_M, k0])
+            w = wd_desc.load([w_row + k0, n0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+
+        start = tl.load(block_start_ptr + block)
+        end = tl.load(offsets_ptr + bank.to(tl.int64) + 1)
+        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_mask = rows < end
+        probs = tl.load(probs_ptr + rows, mask=row_mask, other=0.0)
+        acc = acc * probs[:, None]  # routing weight in fp32
+        n = n0 + tl.arange(0, BLOCK_N)
+        tl.store(rows_ptr + rows[:, None] * stride_rows + n[None, :], acc, mask=row_mask[:, None])
+        slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
+        tl.store(slot_route_ptr + slots, rows.to(tl.int32), mask=row_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# host side
+# ---------------------------------------------------------------------------------------------
+def tma_supported(device: torch.device) -> bool:
+    """Descriptor loads run on Hopper and later, and under the interpreter."""
+    if interpreter_enabled():
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def banked_descriptor(w: torch.Tensor, block_shape: list[int]) -> TensorDescriptor | None:
+    """A 2-D descriptor ``[banks * rows, cols]`` over a ``[banks, rows, cols]`` weight read
+    through its strides, or None when the layout does not allow one (banks not evenly spaced by
+    rows, a stride or base not 16-byte aligned, more than 2^31 - 1 rows)."""
+    banks, rows, cols = w.shape
+    size = w.element_size()
+    if (w.stride(2) != 1 or w.stride(0) != rows * w.stride(1) or banks * rows >= 2**31
+            or (w.stride(1) * size) % 16 or w.data_ptr() % 16):
+        return None
+    return TensorDescriptor(w, [banks * rows, cols], [w.stride(1), 1], block_shape)
+
+
+def matrix_descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor | None:
+    """A descriptor over a 2-D row-major tensor, or None where TMA cannot address it."""
+    if (t.stride(1) != 1 or t.shape[0] >= 2**31 or (t.stride(0) * t.element_size()) % 16
+            or t.data_ptr() % 16):
+        return None
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block_shape)
+
+
+def launch_gather_rows(x, table, schedule, xg, config) -> None:
+    dh = config.head_dim
+    gather_rows_kernel[(schedule.max_blocks,)](
+        x, table.gather_ids, table.offsets, schedule.block_bank, schedule.block_start,
+        schedule.block_count, xg, x.stride(0), xg.stride(0), config.num_experts,
+        HEAD_DIM=dh, DH_PAD=max(16, triton.next_power_of_2(dh)), BLOCK_M=schedule.block_m,
+        num_warps=1 if interpreter_enabled() else 4,
+    )

@@ -1,0 +1,42 @@
+"""The tile sweep's bookkeeping (no GPU needed): which candidate wins, and how a partial sweep
+is merged into the tabled classes without disturbing the others."""
+from __future__ import annotations
+
+import math
+
+from magi_moe.benchmark import best_tiles, merged_classes
+from magi_moe.kernels.fused import FusedTiles, load_tile_table, write_tile_table
+
+
+def _sweep(gate_up: dict, down: dict) -> dict:
+    """A sweep result: gate_up/down map a candidate's tiles (as tuples) to ms or None."""
+    return {"gate_up": [{"tiles": dict(t), "ms": ms} for t, ms in gate_up.items()],
+            "down": [{"tiles": dict(t), "ms": ms} for t, ms in down.items()],
+            "sum": [{"tiles": {"sum_block_t": 8, "sum_warps": 4}, "ms": 0.01}]}
+
+
+FAST = (("block_m", 64), ("gu_variant", "tma"), ("gu_block_k", 32))
+SLOW = (("block_m", 64), ("gu_variant", "kloop"), ("gu_block_k", 32))
+BROKEN = (("block_m", 64), ("gu_variant", "tma_gathered"), ("gu_block_k", 64))
+DOWN = (("block_m", 64), ("down_variant", "tma"))
+
+
+def test_best_tiles_takes_the_fastest_and_drops_candidates_that_failed_anywhere():
+    one = _sweep({FAST: 1.0, SLOW: 1.2, BROKEN: 0.5}, {DOWN: 0.4})
+    two = _sweep({FAST: 2.0, SLOW: 2.1, BROKEN: None}, {DOWN: 0.8})
+    tiles = best_tiles([one, two])
+    assert (tiles.gu_variant, tiles.gu_block_k, tiles.down_variant) == ("tma", 32, "tma")
+
+
+def test_merge_replaces_only_the_class_the_swept_case_falls_in(tmp_path):
+    path = tmp_path / "fused.json"
+    old = [(10.0, FusedTiles(gu_block_n=32)), (100.0, FusedTiles(gu_block_n=64)),
+           (None, FusedTiles(gu_block_n=128))]
+    write_tile_table("TestGPU", old, routing={"block_s": 16}, path=path)
+    new = FusedTiles(gu_block_n=128, gu_variant="tma")
+    merged = merged_classes([(384.0, new)], "Test GPU TestGPU 141GB", path=path)
+    assert [edge for edge, _ in merged] == [10.0, 100.0, math.inf]
+    assert [t.gu_block_n for _, t in merged[:2]] == [32, 64]
+    assert merged[2][1] == new
+    assert load_tile_table("TestGPU", path)[2][1].gu_variant == "kloop"  # nothing written yet
+    assert merged_classes([(5.0, new)], "another GPU", path=path) is None
