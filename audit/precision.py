@@ -27,6 +27,7 @@ class FloatFormat:
     name: str
     bits: int
     emin: int
+    flush_subnormals: bool = False
 
     @property
     def unit(self) -> float:
@@ -34,7 +35,10 @@ class FloatFormat:
 
     @property
     def underflow(self) -> float:
-        """Largest absolute rounding error in the subnormal range: half the subnormal spacing."""
+        """Largest absolute rounding error in the subnormal range: half the subnormal spacing,
+        or, where subnormal operands and results are flushed to zero, the least normal value."""
+        if self.flush_subnormals:
+            return 2.0 ** self.emin
         return 2.0 ** (self.emin - self.bits)
 
     def rounding_error(self, magnitude: torch.Tensor) -> torch.Tensor:
@@ -45,6 +49,9 @@ class FloatFormat:
 BF16 = FloatFormat("bf16", bits=8, emin=-126)
 FP16 = FloatFormat("fp16", bits=11, emin=-14)
 FP32 = FloatFormat("fp32", bits=24, emin=-126)
+# fp32 atomic adds on NVIDIA GPUs flush subnormal inputs and results to zero (PTX ISA, atom /
+# red .add.f32); the fuzzers found a subnormal routing weight's contribution lost that way.
+FP32_FTZ = FloatFormat("fp32-ftz", bits=24, emin=-126, flush_subnormals=True)
 FP64 = FloatFormat("fp64", bits=53, emin=-1022)
 
 FORMAT_OF_DTYPE = {torch.bfloat16: BF16, torch.float16: FP16, torch.float32: FP32, torch.float64: FP64}
@@ -104,6 +111,8 @@ def precision_model(name: str | PrecisionModel, dtype: torch.dtype = torch.bfloa
     ``float64``: the oracle, float64 throughout, no rounding to a narrow format.
     ``bf16-fp32acc``: the fast paths: fp32 accumulation, SwiGLU7 in fp32 rounded once to the
     working dtype, routing weight and top-k sum in fp32, one final rounding.
+    ``bf16-fp32acc-atomic``: ``bf16-fp32acc`` whose fp32 sums may flush subnormals (the
+    top-k sum by atomics): an absolute 2^-126 per addition instead of 2^-150.
     ``bf16-plain``: the plain PyTorch baseline: additionally rounds g and u, the down result and
     each route's contribution to the working dtype.
     """
@@ -114,8 +123,9 @@ def precision_model(name: str | PrecisionModel, dtype: torch.dtype = torch.bfloa
     work = format_of(dtype)
     if name == "float64":
         return PrecisionModel("float64", FP64, FP64.unit, FP64)
-    if name == "bf16-fp32acc":
-        return PrecisionModel(name, FP32, FP32_ACCUMULATOR_UNIT, FP32,
+    if name in ("bf16-fp32acc", "bf16-fp32acc-atomic"):
+        accumulate = FP32_FTZ if name.endswith("atomic") else FP32
+        return PrecisionModel(name, accumulate, FP32_ACCUMULATOR_UNIT, FP32,
                               round_activation=work, round_output=work)
     if name == "bf16-plain":
         return PrecisionModel(name, FP32, FP32_ACCUMULATOR_UNIT, FP32, round_gate_up=work,

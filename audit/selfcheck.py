@@ -87,11 +87,17 @@ def _load_store_checks(kernels, device, gen) -> list[SelfCheck]:
     # exact ties between two bf16 neighbours: bf16 value plus half its spacing
     base = torch.randn(64, generator=gen).to(torch.bfloat16).float()
     src_f32[:64] = base + base.abs().log2().floor().exp2() * 2.0 ** -8
+    # subnormals (a routing weight can underflow to one), spread over the subnormal range
+    src_f32[64:128] = (torch.rand(64, generator=gen) * 2 - 1) * 2.0 ** -126
+    src_f32[128:136] *= 2.0 ** -140
     src_f32 = src_f32.to(device)
+    subnormal = src_f32.abs() < 2.0 ** -126
     copy = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=device)
     upcast = torch.full((n,), float("nan"), dtype=torch.float32, device=device)
     down = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=device)
-    kernels.launch_elementwise(kernels.load_store_kernel, src_bf16, src_f32, copy, upcast, down, n=n)
+    rounded = torch.full((n,), float("nan"), dtype=torch.bfloat16, device=device)
+    kernels.launch_elementwise(kernels.load_store_kernel, src_bf16, src_f32, copy, upcast, down,
+                               rounded, n=n, SOFT_BF16=interpreter_enabled())
     bits = lambda t: t.view(torch.int16)  # noqa: E731
     bad = {"copy": int((bits(copy) != bits(src_bf16)).sum()),
            "upcast": int((upcast.view(torch.int32) != src_bf16.float().view(torch.int32)).sum())}
@@ -99,22 +105,33 @@ def _load_store_checks(kernels, device, gen) -> list[SelfCheck]:
     checks = [SelfCheck("bf16 load/store", "FAIL" if wrong else "pass",
                         f"bitwise mismatches {wrong} of {n}" if wrong else
                         f"masked copy and bf16 -> fp32 upcast bit-exact ({n} values)")]
-    nearest = int((bits(down) != bits(src_f32.to(torch.bfloat16))).sum())
-    toward_zero = int((bits(down) != bits(_truncated(src_f32))).sum())
+    want = bits(src_f32.to(torch.bfloat16))
+    nearest = int((bits(down) != want).sum())
+    toward_zero = int(((bits(down) != bits(_truncated(src_f32))) & ~subnormal).sum())
+    wrong_subnormals = int(((bits(down) != want) & subnormal).sum())
     if nearest == 0:
         checks.append(SelfCheck(DOWNCAST_CHECK, "pass",
-                                f"rounds to nearest even, ties included ({n} values, 64 ties)"))
+                                f"rounds to nearest even, ties and subnormals included ({n} values, "
+                                f"64 ties, {int(subnormal.sum())} subnormals)"))
     elif toward_zero == 0 and interpreter_enabled():
         checks.append(SelfCheck(DOWNCAST_CHECK, "info",
-                                f"truncates (rounds toward zero) under the interpreter: {nearest} of "
-                                f"{n} differ from round-to-nearest; kernels must round by bit "
-                                f"arithmetic here (magi_moe.kernels.rounding) and are held to "
-                                f"round-to-nearest"))
+                                f"truncates (rounds toward zero) under the interpreter, and gets "
+                                f"{wrong_subnormals} of {int(subnormal.sum())} subnormals wrong: "
+                                f"{nearest} of {n} differ from round-to-nearest; kernels round by "
+                                f"bit arithmetic here (magi_moe.kernels.rounding, checked below)"))
     else:
         checks.append(SelfCheck(DOWNCAST_CHECK, "FAIL",
                                 f"{nearest} of {n} differ from round-to-nearest-even "
-                                f"({toward_zero} from truncation)"))
+                                f"({toward_zero} normal values from truncation, "
+                                f"{wrong_subnormals} subnormals)"))
+    own = int((bits(rounded) != want).sum())
+    checks.append(SelfCheck(ROUNDING_CHECK, "FAIL" if own else "pass",
+                            f"{own} of {n} differ from round-to-nearest-even" if own else
+                            f"bit-exact round-to-nearest-even ({n} values, ties and subnormals)"))
     return checks
+
+
+ROUNDING_CHECK = "fp32 -> bf16 rounding (the kernels' round_to)"
 
 
 DOWNCAST_CHECK = "fp32 -> bf16 conversion"
@@ -137,6 +154,27 @@ def _atomic_check(kernels, device, gen) -> SelfCheck:
     return SelfCheck("fp32 atomic_add", "FAIL" if bad else "pass",
                      f"{bad} of {slots} slots wrong" if bad else
                      f"{n} colliding adds into {slots} slots exact")
+
+
+def _atomic_subnormal_check(kernels, device, gen) -> SelfCheck:
+    """Whether fp32 atomics keep subnormal addends. NVIDIA's flush them to zero (PTX atom.add.f32),
+    which the atomic native variant's precision model (``bf16-fp32acc-atomic``) allows for."""
+    n = 64
+    values = ((torch.rand(n, generator=gen) + 0.5) * 2.0 ** -130).to(device)
+    index = torch.arange(n, dtype=torch.int32, device=device)
+    out = torch.zeros(n, dtype=torch.float32, device=device)
+    kernels.launch_elementwise(kernels.atomic_add_kernel, values, index, out, n=n)
+    if torch.equal(out, values):
+        return SelfCheck(ATOMIC_SUBNORMAL_CHECK, "pass", f"{n} subnormal addends kept exactly")
+    if not bool(out.any()):
+        return SelfCheck(ATOMIC_SUBNORMAL_CHECK, "info",
+                         f"flushes subnormal addends to zero ({n} of {n}): allowed by the "
+                         f"bf16-fp32acc-atomic model of the atomic native kernel")
+    return SelfCheck(ATOMIC_SUBNORMAL_CHECK, "FAIL",
+                     f"{int((out != values).sum())} of {n} subnormal addends neither kept nor flushed")
+
+
+ATOMIC_SUBNORMAL_CHECK = "fp32 atomic_add of subnormals"
 
 
 def _swiglu_check(kernels, device, gen) -> SelfCheck:
@@ -171,5 +209,6 @@ def run_selfcheck(backend: Backend | str, *, seed: int = 0) -> list[SelfCheck]:
     device = torch.device(backend.device)
     checks = _dot_checks(kernels, device, gen)
     checks += _load_store_checks(kernels, device, gen)
-    checks += [_atomic_check(kernels, device, gen), _swiglu_check(kernels, device, gen)]
+    checks += [_atomic_check(kernels, device, gen), _atomic_subnormal_check(kernels, device, gen),
+               _swiglu_check(kernels, device, gen)]
     return checks

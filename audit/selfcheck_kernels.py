@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from magi_moe.kernels.rounding import swiglu7
+from magi_moe.kernels.rounding import round_to, swiglu7
 
 
 @triton.jit
@@ -29,9 +29,10 @@ def dot_kernel(a_ptr, b_ptr, c_ptr,
 
 
 @triton.jit
-def load_store_kernel(src_bf16_ptr, src_f32_ptr, copy_ptr, upcast_ptr, downcast_ptr, n,
-                      BLOCK: tl.constexpr):
-    """Masked bf16 copy, bf16 -> fp32 upcast, fp32 -> bf16 rounding; ``n`` need not divide BLOCK."""
+def load_store_kernel(src_bf16_ptr, src_f32_ptr, copy_ptr, upcast_ptr, downcast_ptr, rounded_ptr,
+                      n, BLOCK: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """Masked bf16 copy, bf16 -> fp32 upcast, fp32 -> bf16 by the backend's cast and by the
+    kernels' own ``round_to``; ``n`` need not divide BLOCK."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(src_bf16_ptr + offs, mask=mask, other=0.0)
@@ -39,6 +40,7 @@ def load_store_kernel(src_bf16_ptr, src_f32_ptr, copy_ptr, upcast_ptr, downcast_
     tl.store(upcast_ptr + offs, x.to(tl.float32), mask=mask)
     y = tl.load(src_f32_ptr + offs, mask=mask, other=0.0)
     tl.store(downcast_ptr + offs, y.to(downcast_ptr.dtype.element_ty), mask=mask)
+    tl.store(rounded_ptr + offs, round_to(y, rounded_ptr.dtype.element_ty, SOFT_BF16), mask=mask)
 
 
 @triton.jit
@@ -67,5 +69,5 @@ def launch_dot(a, b, c, *, upcast: bool, dot_precision: str) -> None:
     dot_kernel[(1,)](a, b, c, M=M, N=N, K=K, UPCAST=upcast, DOT_PRECISION=dot_precision)
 
 
-def launch_elementwise(kernel, *args, n: int, block: int = 64) -> None:
-    kernel[(triton.cdiv(n, block),)](*args, n, BLOCK=block)
+def launch_elementwise(kernel, *args, n: int, block: int = 64, **meta) -> None:
+    kernel[(triton.cdiv(n, block),)](*args, n, BLOCK=block, **meta)

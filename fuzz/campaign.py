@@ -12,7 +12,7 @@ goes on. Afterwards the runner
   records, and replays each once in a child process to name the signal;
 * writes ``summary.json`` (budget, totals, per-test outcome, cases and rounds, every failure
   with its one-line reproduction) next to pytest's ``junit.xml``;
-* prints every reproduction command and exits 1 if anything failed.
+* prints every reproduction command and exits 1 if anything failed, 2 if no case ran at all.
 
 Running it again with the same ``--db`` resumes: Hypothesis replays every failing and
 interesting example it saved before generating new ones.
@@ -281,6 +281,9 @@ def campaign_main(argv: list[str]) -> int:
     print(f"[fuzz] wrote {out / 'summary.json'} and {out / 'junit.xml'}")
     if stopped:
         print("[fuzz] note: pytest was stopped at the hard limit; junit.xml may be missing")
+    if t["cases"] == 0 and not summary["failures"]:
+        print("[fuzz] error: no case ran (budget too small for this machine, or nothing selected)")
+        return 2
     summary_code = 1 if summary["failures"] else 0
     return summary_code if stopped else (1 if summary["failures"] or code not in (0, 5) else 0)
 

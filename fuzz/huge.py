@@ -134,7 +134,8 @@ def _huge_cases(draw, config: MoEConfig | None, max_extra_tokens: int) -> HugeCa
         )
     t0 = first_overflowing_token(config)
     S = t0 + draw(st.integers(1, max_extra_tokens))
-    landmarks = st.sampled_from([0, t0 - 1, t0, t0 + 1, S - 1])
+    # (t0 + 1 is past the end when S = t0 + 1: the fuzz campaign found that one)
+    landmarks = st.sampled_from(sorted({t for t in (0, t0 - 1, t0, t0 + 1, S - 1) if 0 <= t < S}))
     anywhere = st.one_of(landmarks, st.integers(max(0, t0 - 3), S - 1), st.integers(0, S - 1))
     tokens = draw(st.lists(anywhere, min_size=0, max_size=5, unique=True))
     tokens.append(draw(st.integers(t0, S - 1)))  # at least one past the boundary

@@ -40,7 +40,7 @@ register(Implementation(
     capabilities={"int64_offsets"},
     description="plain PyTorch per-expert loop at working precision (FlashAttention-style baseline)"))
 register(Implementation(
-    "native", _native(False), TRITON_BACKENDS, "bf16-fp32acc", dtypes=FLOAT_DTYPES,
+    "native", _native(False), TRITON_BACKENDS, "bf16-fp32acc-atomic", dtypes=FLOAT_DTYPES,
     capabilities={"int64_offsets"},
     description="Triton gather/expert/scatter kernel, fp32 atomics into an fp32 accumulator"))
 register(Implementation(

@@ -26,7 +26,7 @@ from .validation import check_tensor
 from .weights import ExpertWeights
 
 ForwardFn = Callable[..., torch.Tensor]
-PrecisionModel = Literal["float64", "bf16-fp32acc", "bf16-plain"]
+PrecisionModel = Literal["float64", "bf16-fp32acc", "bf16-fp32acc-atomic", "bf16-plain"]
 
 # Capabilities an implementation may declare; the suite runs the matching checks.
 CAPABILITIES = frozenset({
@@ -35,7 +35,7 @@ CAPABILITIES = frozenset({
     "weight_cache",     # keeps a packed copy of the weights (cache rules of SPEC section 5)
     "no_host_sync",     # no device->host synchronisation once warm
 })
-PRECISION_MODELS = ("float64", "bf16-fp32acc", "bf16-plain")
+PRECISION_MODELS = ("float64", "bf16-fp32acc", "bf16-fp32acc-atomic", "bf16-plain")
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,9 @@ class Implementation:
 
     ``precision``: ``float64`` (the oracle), ``bf16-fp32acc`` (the fast paths' precision points
     of SPEC section 1: bf16 operands, fp32 accumulation, one bf16 rounding of the SwiGLU7
-    output, fp32 routing weight and top-k sum, one final rounding) or ``bf16-plain`` (the
-    plain PyTorch baseline that rounds every matmul result).
+    output, fp32 routing weight and top-k sum, one final rounding), ``bf16-fp32acc-atomic``
+    (the same with the top-k sum done by fp32 atomics, which flush subnormals to zero on NVIDIA
+    GPUs) or ``bf16-plain`` (the plain PyTorch baseline that rounds every matmul result).
     """
 
     name: str

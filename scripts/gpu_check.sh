@@ -31,6 +31,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 for step in "${steps[@]}"; do
   case $step in
     tests) run_step tests 300 python3 -m pytest -m "not slow and not benchmark" --backend cuda -q \
+             --hypothesis-profile "${TEST_PROFILE:-ci}" \
              -n "${TEST_WORKERS:-8}" -p no:cacheprovider --durations=15 -W ignore \
              --junitxml="$OUT/tests.xml" ${TEST_ARGS:-} ;;
     audit) run_step audit 240 python3 -m audit --backend cuda --out "$OUT/audit" ;;

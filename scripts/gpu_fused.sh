@@ -32,7 +32,7 @@ if [ "$MODE" != bench ]; then  # its own process: a candidate that faults cannot
       --iters 100 --json "$OUT/sweep.json" 2>&1 | tail -60 | tee "$OUT/sweep.log"
   cp magi_moe/kernels/tiles/fused.json "$OUT/fused.json" 2>/dev/null
 fi
-timeout 130 $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \
+timeout "${BENCH_TIMEOUT:-130}" $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \
     --rounds "${BENCH_ROUNDS:-2}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 
 if [ "$MODE" != sweep ]; then
@@ -41,6 +41,6 @@ if [ "$MODE" != sweep ]; then
 fi
 
 [ "${FUSED_TESTS:-1}" = 0 ] && exit 0
-timeout 120 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" \
+timeout 120 $PY -m pytest -q -p no:cacheprovider -m "cuda and not benchmark" --hypothesis-profile ci \
     tests/test_fused.py tests/test_packed_weights.py \
     tests/test_implementations.py --impl fused 2>&1 | tail -30 | tee "$OUT/tests.log"

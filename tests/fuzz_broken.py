@@ -96,7 +96,7 @@ def _int32_offsets_kernel(
 def launch_native_int32(x, table, weights: ExpertWeights, config: MoEConfig, accumulator, *,
                         deterministic: bool, tiles=None) -> None:
     """``launch_native``'s contract, with int32 row offsets (the bug)."""
-    tiles = tiles or choose_tiles(config, x.device)
+    tiles = tiles or choose_tiles(config, x.device, x.dtype)
     banks, starts = block_schedule(table.offsets, tiles.block_m)
     if banks.numel() == 0:
         return

@@ -3,6 +3,7 @@ broken precision variants exceed the probabilistic one on the probe aimed at the
 arithmetic matches an element-wise mpmath evaluation and an exact simulation."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -193,3 +194,33 @@ def test_precision_helpers():
     assert precision_model("bf16-plain+rz") == m
     fp32_model = precision_model("bf16-fp32acc", torch.float32)
     assert fp32_model.round_activation == FP32 and fp32_model.round_output == FP32
+
+
+def test_flushed_subnormal_route_is_allowed_only_by_the_atomic_model():
+    """A routing weight that underflowed to an fp32 subnormal (sigmoid of a very negative
+    logit), with top_k = 1: NVIDIA's fp32 atomics flush that route's contribution to zero. The
+    plain model (gradual underflow) flags it; bf16-fp32acc-atomic, which the atomic native
+    kernel declares, allows it (an absolute 2^-126 per atomic addition, nothing more)."""
+    from magi_moe.config import MoEConfig
+    from magi_moe.problems import random_problem
+
+    cfg = MoEConfig(num_heads=1, head_dim=32, num_experts=2, top_k=1, intermediate_size=32)
+    problem = random_problem(cfg, 8, seed=5)
+    problem.weights.w_down.mul_(64)                    # outputs of order 1, as in the fuzz case
+    probs = problem.table.sorted_probs
+    probs[0] = 2e-39                                   # subnormal in fp32
+    out = expert_reference(problem.x, problem.table, problem.weights, cfg, precision="fp32acc")
+    token = int(problem.table.gather_ids[0])
+    # the contribution is itself subnormal (so an FTZ addition drops it) and survives without FTZ
+    assert 0 < out[token].abs().max() < 2.0 ** -126
+    flushed = out.clone()
+    flushed[token] = 0                                 # what an FTZ atomic sum stores
+    assert not check_error_bounds(flushed, problem, "bf16-fp32acc").proven_ok
+    assert check_error_bounds(flushed, problem, "bf16-fp32acc-atomic").ok
+    assert check_error_bounds(out, problem, "bf16-fp32acc").ok
+    # the allowance is tiny: a flushed *normal* contribution is still flagged
+    probs[0] = 2.0 ** -100
+    fresh = dataclasses.replace(problem)  # a new object: bounds are cached per problem
+    big = expert_reference(fresh.x, fresh.table, fresh.weights, cfg, precision="fp32acc")
+    big[token] = 0
+    assert not check_error_bounds(big, fresh, "bf16-fp32acc-atomic").proven_ok

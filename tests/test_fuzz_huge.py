@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from fuzz import fuzzers, profiles
-from fuzz.huge import (HugeCase, build_huge_problem, first_overflowing_token, launcher_for)
+from fuzz.huge import (HugeCase, build_huge_problem, first_overflowing_token, huge_cases,
+                       launcher_for)
 from fuzz.properties import campaign_target
 from magi_moe.config import preset
 from magi_moe.routing import validate_route_table
@@ -43,6 +44,15 @@ def test_hand_built_table_is_valid_and_crosses_the_boundary():
     assert int(p.table.gather_ids.max()) == t0 + 7
     assert p.table.num_routes == len(case.tokens) * cfg.num_heads * cfg.top_k
     assert torch.equal(p.x[p.tokens], p.small_x)
+
+
+@settings(max_examples=60, derandomize=True, database=None)
+@given(case=huge_cases(config=preset("tiny"), max_extra_tokens=1))
+def test_huge_cases_stay_in_range_when_one_token_passes_the_boundary(case):
+    """S = t0 + 1: the boundary's neighbour t0 + 1 does not exist (the GPU campaign drew it
+    once, and the strategy raised instead of producing a case)."""
+    assert case.num_tokens == first_overflowing_token(case.config) + 1
+    assert all(0 <= t < case.num_tokens for t in case.tokens)
 
 
 @campaign_target

@@ -26,7 +26,9 @@ MUTANTS = [
     ("clamp-dropped", "round_operand(swiglu7(g, u),",
      "round_operand(g * tl.sigmoid(1.702 * g) * (tl.minimum(tl.maximum(u, -7.0), 7.0) + 1.0),"),
     ("activation-truncated", "a = round_operand(swiglu7(g, u), w_down_ptr.dtype.element_ty, UPCAST)",
-     "a = swiglu7(g, u).to(w_down_ptr.dtype.element_ty).to(tl.float32)"),
+     # toward zero by bit masking, then exact in the operand dtype: valid on a GPU as well
+     "a = round_operand((swiglu7(g, u).to(tl.uint32, bitcast=True) & 0xFFFF0000)"
+     ".to(tl.float32, bitcast=True), w_down_ptr.dtype.element_ty, UPCAST)"),
     ("down-rows-shifted", "w_down_bank + n[:, None] * HEAD_DIM + d[None, :]",
      "w_down_bank + n[:, None] * HEAD_DIM + (d[None, :] + 1) % HEAD_DIM"),
 ]

@@ -20,7 +20,7 @@ the interpreter's fp32->bf16 conversion truncates, so the activation is rounded 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -132,14 +132,51 @@ class NativeTiles:
     num_stages: int
 
 
-def choose_tiles(config: MoEConfig, device: torch.device) -> NativeTiles:
+def shared_memory_estimate(tiles: NativeTiles, config: MoEConfig, itemsize: int) -> int:
+    """Bytes of shared memory the kernel's tiles need, roughly as the compiler lays them out: the
+    resident x block ``[BLOCK_M, DH_PAD]``, per pipeline stage the gate, up and down weight tiles
+    (``DH_PAD x BLOCK_N`` each), and the activation tile."""
+    dh_pad = max(16, triton.next_power_of_2(config.head_dim))
+    per_stage = 3 * dh_pad * tiles.block_n
+    return itemsize * (tiles.block_m * dh_pad + tiles.num_stages * per_stage
+                       + tiles.block_m * tiles.block_n)
+
+
+def _shared_memory_limit(device: torch.device) -> int:
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
+
+
+def fit_shared_memory(tiles: NativeTiles, config: MoEConfig, itemsize: int,
+                      limit: int) -> NativeTiles:
+    """``tiles`` shrunk until :func:`shared_memory_estimate` is within ``limit``: first the weight
+    tiles' width, then the pipeline depth, then the row block (a wide head in fp32 needs all
+    three; the fuzzers found Dh = 272 asking for 256 KiB on an H200)."""
+    while shared_memory_estimate(tiles, config, itemsize) > limit:
+        if tiles.block_n > 16:
+            tiles = replace(tiles, block_n=tiles.block_n // 2)
+        elif tiles.num_stages > 1:
+            tiles = replace(tiles, num_stages=1)
+        elif tiles.block_m > 16:
+            tiles = replace(tiles, block_m=tiles.block_m // 2)
+        else:
+            raise ValueError(f"head_dim={config.head_dim} needs more shared memory than this GPU's "
+                             f"{limit} bytes even at the smallest native tiles")
+    return tiles
+
+
+def choose_tiles(config: MoEConfig, device: torch.device,
+                 dtype: torch.dtype = torch.bfloat16) -> NativeTiles:
     """Tiles for this shape and device. The interpreter pays per program and per operation, so it
-    gets small row blocks; the GPU gets 64-row blocks (Hopper) with the full head width resident."""
+    gets small row blocks; the GPU gets 64-row blocks (Hopper) with the full head width resident,
+    shrunk where a wide head would not fit the GPU's shared memory."""
     if device.type != "cuda":  # fewer, larger steps: the interpreter's cost is per operation
         return NativeTiles(block_m=16, block_n=128, num_warps=1, num_stages=1)
     wide = triton.next_power_of_2(config.head_dim) >= 256
-    return NativeTiles(block_m=64, block_n=32 if wide else 64, num_warps=8 if wide else 4,
-                       num_stages=2)
+    tiles = NativeTiles(block_m=64, block_n=32 if wide else 64, num_warps=8 if wide else 4,
+                        num_stages=2)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return fit_shared_memory(tiles, config, itemsize, _shared_memory_limit(device))
 
 
 def block_schedule(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,7 +213,7 @@ def launch_native(x, table: RouteTable, weights: ExpertWeights, config: MoEConfi
     """Run the kernel into a caller-owned fp32 ``accumulator``: ``[S, H*Dh]`` (zeroed) for the
     atomic variant, ``[R, Dh]`` for the deterministic one. Huge-input tests call this directly
     with lazily allocated buffers."""
-    tiles = tiles or choose_tiles(config, x.device)
+    tiles = tiles or choose_tiles(config, x.device, x.dtype)
     banks, starts = block_schedule(table.offsets, tiles.block_m)
     if banks.numel() == 0:
         return

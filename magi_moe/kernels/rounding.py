@@ -2,7 +2,8 @@
 means the same thing on the GPU and under the Triton interpreter.
 
 Found here with Triton 3.9's interpreter: ``fp32.to(tl.bfloat16)`` truncates (rounds toward
-zero) instead of rounding to nearest even, with or without ``fp_downcast_rounding="rtne"``;
+zero) instead of rounding to nearest even, with or without ``fp_downcast_rounding="rtne"``,
+and turns subnormal values into wrong ones (2.39e-39 -> 7.35e-39, found by the fuzzers);
 fp16 conversions are correct. A kernel that rounds an intermediate to bf16 (the SwiGLU7 output,
 the down-projection operand) must therefore round by bit arithmetic when interpreted, or its
 CPU results are not the GPU's maths. ``audit.selfcheck`` re-checks this on each Triton release.
@@ -24,9 +25,20 @@ def round_to(v, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
     """fp32 ``v`` rounded to nearest (even) in ``dtype``; ``SOFT_BF16`` (interpreter) does the
     bf16 case by bit arithmetic, since the interpreter's own cast truncates."""
     if SOFT_BF16 and dtype == tl.bfloat16:
-        return bf16_rtne_as_fp32(v).to(tl.bfloat16)  # exact: the value is already a bf16
+        return bf16_rtne_bits(v)
     else:
         return v.to(dtype)
+
+
+@triton.jit
+def bf16_rtne_bits(v):
+    """fp32 ``v`` -> bf16, nearest even, built from the bit pattern: the interpreter's own
+    fp32 -> bf16 cast is wrong even for values already exact in bf16 when they are subnormal
+    (2.39e-39 became 7.35e-39), so no float conversion is involved here."""
+    bits = v.to(tl.uint32, bitcast=True)
+    upper = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).to(tl.uint16)
+    upper = tl.where(v != v, (bits >> 16).to(tl.uint16) | 0x40, upper)  # NaN stays (quiet) NaN
+    return upper.to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
