@@ -290,7 +290,7 @@ def _dn(bm, bn, bk, warps, stages, ppsm=(1, 2), variant="ptr", ws=False):
 GATE_UP_CANDIDATES = tuple(c for group in (
     # version 3's winners (pointer loads)
     _gu("kloop", 64, 128, 32, 4, 5, (2,)), _gu("kloop", 64, 128, 32, 4, 4, (2,)),
-    _gu("kloop", 64, 64, 64, 4, 4, (2,)), _gu("kloop", 128, 128, 32, 8, 4, (1,)),
+    _gu("kloop", 128, 128, 32, 8, 4, (1,)),
     # weight tiles by descriptor
     _gu("tma", 64, 128, 32, 4, 4, (2,)), _gu("tma", 64, 128, 32, 4, 5, (2,)),
     _gu("tma", 64, 128, 64, 4, 3), _gu("tma", 128, 128, 32, 8, 4, (1,)),
@@ -298,13 +298,12 @@ GATE_UP_CANDIDATES = tuple(c for group in (
     _gu("tma_gathered", 64, 128, 32, 4, 5, (2,)), _gu("tma_gathered", 64, 128, 64, 4, 3),
     _gu("tma_gathered", 64, 128, 32, 4, 4, (2,), ws=True),
     _gu("tma_gathered", 64, 128, 64, 4, 3, (1,), ws=True),
-    _gu("tma_gathered", 128, 128, 64, 8, 3, (1,)),
 ) for c in group)
 DOWN_CANDIDATES = tuple(c for group in (
-    _dn(64, 128, 64, 4, 4), _dn(64, 256, 64, 8, 4), _dn(128, 256, 64, 8, 3), _dn(128, 128, 64, 8, 4),
+    _dn(64, 128, 64, 4, 4), _dn(64, 256, 64, 8, 4), _dn(128, 256, 64, 8, 3),
     _dn(64, 128, 64, 4, 4, variant="tma"), _dn(64, 256, 64, 8, 3, variant="tma"),
     _dn(64, 128, 64, 4, 4, (2,), variant="tma", ws=True),
-    _dn(128, 256, 64, 8, 3, (1,), variant="tma"), _dn(128, 128, 64, 8, 4, variant="tma"),
+    _dn(128, 256, 64, 8, 3, (1,), variant="tma"),
 ) for c in group)
 SUM_CANDIDATES = ((8, 4), (16, 4), (32, 4), (32, 8))
 ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
@@ -326,7 +325,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
     return float((got.double() - want.double()).norm()) / denom <= rtol
 
 
-def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> dict:
+def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
+               routing: bool = True) -> dict:
     """Median ms of every candidate of each fused kernel on this problem. Each candidate's
     output is checked against the first candidate of its block size (NaN-poisoned first); a
     candidate that fails to compile, launch or agree is recorded with ``ms: None``."""
@@ -397,7 +397,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> 
         attempt("sum", {"sum_block_t": bt, "sum_warps": warps},
                 lambda: F.launch_topk_sum(rows, slot_route, out, cfg, tiles), lambda: True)
     want_ids = None
-    for bs, bd, warps, pwarps in ROUTING_CANDIDATES:
+    for bs, bd, warps, pwarps in (ROUTING_CANDIDATES if routing else ()):
         rt = FR.RoutingTiles(block_s=bs, block_d=bd, warps=warps, place_warps=pwarps)
 
         def route_once():
@@ -491,7 +491,7 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
         t0 = time.time()
         per_case[case.label] = {"routes_per_bank": problem.table.num_routes / problem.config.num_banks,
                                 "sweep": sweep_case(problem, warmup=warmup, iters=iters,
-                                                    flush_mib=flush_mib)}
+                                                    flush_mib=flush_mib, routing=not merge)}
         print(f"swept {case.label} in {time.time() - t0:.1f} s", flush=True)
         del problem
     # Classes: cases with the same routes per bank share tiles; edges at geometric midpoints.
@@ -503,7 +503,7 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
     for i, c in enumerate(centres):
         edge = math.sqrt(c * centres[i + 1]) if i + 1 < len(centres) else None
         classes.append((edge, best_tiles(groups[c])))
-    routing = best_routing([e["sweep"] for e in per_case.values()])
+    routing = best_routing([e["sweep"] for e in per_case.values()]) if not merge else None
     if merge and device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         tabled = merged_classes([(c, best_tiles(groups[c])) for c in centres], name)
