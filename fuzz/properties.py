@@ -294,7 +294,8 @@ def check_linearity(target: Target, case: ExpertCase) -> dict:
             # Exact only for normal numbers: below the dtype's smallest normal the grid spacing is
             # fixed, so round(2v) and 2 round(v) may differ by one subnormal step.
             info = torch.finfo(out.dtype)
-            subnormal = twice.abs() < 2 * info.tiny
+            # (<=: a value just below the smallest normal may round up to it)
+            subnormal = twice.abs() <= 2 * info.tiny
             one_step = (out2.double() - twice).abs() <= info.smallest_normal * info.eps
             bad = (out2.double() != twice) & ~(subnormal & one_step)
         else:

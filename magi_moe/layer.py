@@ -65,6 +65,31 @@ class MagiMoE(nn.Module):
         if self.impl is not None and self.impl.name == "fused":
             self.weight_cache.ensure(self.W_gate, self.W_up)
 
+    # Module-wide casts (``.to(torch.bfloat16)``, ``.half()``, ``.float()``) are how serving
+    # stacks load a model; the router must come through them in fp32 and unrounded (SPEC
+    # section 3), or selection scores lose precision and the fused router rejects the gate (the
+    # GPU fuzz campaign's weight-swap machine found that). Device moves apply as usual.
+    _FP32_TENSORS = ("gate", "router.expert_bias", "router.expert_bias_ema")
+
+    def _apply(self, fn, recurse=True):
+        # detached aliases: the fp32 storage survives even where conversion swaps tensors
+        before = {name: self._fp32_tensor(name).detach() for name in self._FP32_TENSORS}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            new = self._fp32_tensor(name)
+            if new.dtype != torch.float32:  # restore the exact fp32 values on the new device
+                restored = old.to(device=new.device)
+                if isinstance(new, nn.Parameter):
+                    new.data = restored
+                else:
+                    owner, _, attr = name.rpartition(".")
+                    self.get_submodule(owner)._buffers[attr] = restored
+        return self
+
+    def _fp32_tensor(self, name: str) -> torch.Tensor:
+        owner, _, attr = name.rpartition(".")
+        return getattr(self.get_submodule(owner) if owner else self, attr)
+
     def invalidate_weight_cache(self) -> None:
         """Make the next fused forward repack ``W_gate``/``W_up`` (see PackedWeightCache)."""
         if self.weight_cache is not None:

@@ -125,3 +125,39 @@ def test_dispatch_policy():
         if torch.cuda.is_available() and triton_installed() and not interpreter_enabled():
             assert pick(cuda, torch.bfloat16) == pick(cuda, torch.float16) == "fused"
             assert pick(cuda, torch.float32) == native
+
+
+@pytest.mark.parametrize("cast", ["to-bf16", "half", "float-then-bf16"])
+def test_module_casts_keep_the_router_fp32_and_unrounded(cast):
+    """``layer.to(dtype)`` and friends cast the expert weights but leave the router's gate and
+    selection biases in fp32 with their exact values (found by the GPU weight-swap fuzzer: a
+    bf16 gate made the fused router refuse to run)."""
+    layer = MagiMoE(preset("tiny"))
+    with torch.no_grad():
+        layer.router.expert_bias.normal_()
+        layer.router.expert_bias_ema.normal_()
+    router = {n: t.detach().clone() for n, t in (("gate", layer.gate),
+                                                 ("bias", layer.router.expert_bias),
+                                                 ("ema", layer.router.expert_bias_ema))}
+    w_down = layer.W_down.detach().clone()
+    if cast == "to-bf16":
+        layer.to(torch.bfloat16)
+        want = torch.bfloat16
+    elif cast == "half":
+        layer.half()
+        want = torch.float16
+    else:
+        layer.float()
+        assert layer.W_down.dtype == torch.float32
+        layer.to(torch.bfloat16)
+        want = torch.bfloat16
+    assert layer.W_gate.dtype == layer.W_up.dtype == layer.W_down.dtype == want
+    assert torch.equal(layer.W_down.float(), w_down.to(want).float())
+    for got, name in ((layer.gate, "gate"), (layer.router.expert_bias, "bias"),
+                      (layer.router.expert_bias_ema, "ema")):
+        assert got.dtype == torch.float32, name
+        assert torch.equal(got, router[name]), name
+    assert isinstance(layer.gate, torch.nn.Parameter)
+    if want == torch.bfloat16:  # the config's dtype: the layer still runs
+        x = torch.randn(5, layer.config.hidden_size).to(torch.bfloat16)
+        assert torch.isfinite(layer(x).float()).all()
