@@ -169,9 +169,11 @@ def pytest_pyfunc_call(pyfuncitem):
     budget = config.getoption("--fuzz-budget")
     deadline = start + budget
     now = time.time()
-    # Every item runs at least its first round, even when a slow start (a loaded machine, a
-    # long collection) spent the budget: a campaign that tested nothing must not look clean.
-    # The runner's hard limit (budget + grace) still bounds the whole campaign.
+    # Past the budget, later items are skipped, but only once this worker has run a round: a
+    # slow start (a loaded machine, a long collection) must not leave a worker that tested
+    # nothing (the runner also exits 2 when no case ran at all).
+    if now >= deadline and rec.cases_started() > 0 and not config.getoption("--fuzz-single-round"):
+        pytest.skip("campaign budget spent before this item started")
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
     items = max(1, getattr(config, "_fuzz_item_count", 1))
     item_end = min(deadline, now + budget * workers / items)

@@ -48,3 +48,27 @@ def test_campaign_records_crashes_and_violations_and_goes_on(tmp_path):
     replay = subprocess.run([sys.executable, *command[1:]], cwd=REPO_ROOT, env=child_env("cpu"),
                             capture_output=True, text=True, timeout=300)
     assert replay.returncode == 1 and "FAIL: empty_experts violated" in replay.stdout, replay.stdout + replay.stderr
+
+
+def test_fallback_junit_when_pytest_was_stopped(tmp_path):
+    """A campaign stopped at its hard limit still leaves a JUnit file CI can read: one testcase
+    per test that ran, a failure element per failure record (with its reproduction)."""
+    from fuzz.campaign import write_fallback_junit
+
+    (tmp_path / "stats").mkdir()
+    (tmp_path / "failures").mkdir()
+    ok, bad = "tests/test_fuzz_properties.py::test_zero_tokens[fused@cuda]", \
+        "tests/test_fuzz_properties.py::test_linearity[fused@cuda]"
+    for i, nodeid in enumerate((ok, bad)):
+        (tmp_path / "stats" / f"{i}.json").write_text(json.dumps(
+            {"nodeid": nodeid, "property": "p", "rounds": 3, "cases": 40, "seconds": 12.5}))
+    (tmp_path / "failures" / "linearity-1.json").write_text(json.dumps(
+        {"kind": "violation", "nodeid": bad, "message": "doubling did not double",
+         "repro": "python -m fuzz replay '{}'", "record": {"property": "linearity"}}))
+    root = ET.parse(write_fallback_junit(tmp_path)).getroot()
+    cases = {c.get("name"): c for c in root.iter("testcase")}
+    assert set(cases) == {"test_zero_tokens[fused@cuda]", "test_linearity[fused@cuda]"}
+    assert cases["test_zero_tokens[fused@cuda]"].find("failure") is None
+    failure = cases["test_linearity[fused@cuda]"].find("failure")
+    assert failure is not None and "python -m fuzz replay" in failure.text
+    assert cases["test_linearity[fused@cuda]"].get("classname") == "tests.test_fuzz_properties"

@@ -21,6 +21,7 @@ the interpreter's fp32->bf16 conversion truncates, so the activation is rounded 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 import triton
@@ -142,6 +143,7 @@ def shared_memory_estimate(tiles: NativeTiles, config: MoEConfig, itemsize: int)
                        + tiles.block_m * tiles.block_n)
 
 
+@lru_cache(maxsize=None)
 def _shared_memory_limit(device: torch.device) -> int:
     props = torch.cuda.get_device_properties(device)
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
@@ -175,8 +177,9 @@ def choose_tiles(config: MoEConfig, device: torch.device,
     wide = triton.next_power_of_2(config.head_dim) >= 256
     tiles = NativeTiles(block_m=64, block_n=32 if wide else 64, num_warps=8 if wide else 4,
                         num_stages=2)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return fit_shared_memory(tiles, config, itemsize, _shared_memory_limit(device))
+    limit = _shared_memory_limit(torch.device("cuda", device.index if device.index is not None
+                                              else torch.cuda.current_device()))
+    return fit_shared_memory(tiles, config, dtype.itemsize, limit)
 
 
 def block_schedule(offsets: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
