@@ -61,7 +61,8 @@ from ..routing import RouteTable
 from ..validation import check_tensor
 from ..weights import ExpertWeights
 from . import fused_tma as T
-from .rounding import round_to, swiglu7
+from .epilogues import store_activation, store_weighted_rows
+from .rounding import round_to
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 TILE_TABLE_DIR = Path(__file__).with_name("tiles")
@@ -70,13 +71,6 @@ TILE_TABLE_DIR = Path(__file__).with_name("tiles")
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
-@triton.jit
-def _swiglu7_operand(acc_g, acc_u, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """SwiGLU7 of the fp32 gate/up accumulators, in fp32, rounded once to ``dtype``: the down
-    projection's operand. Padding rows (x = 0) give exact zeros."""
-    return round_to(swiglu7(acc_g, acc_u), dtype, SOFT_BF16)
-
-
 @triton.jit
 def block_schedule_kernel(
     offsets_ptr,      # [H*E + 1] int64 CSR offsets: read, or written when FROM_COUNTS
@@ -177,9 +171,7 @@ def gate_up_kernel(
             wg_ptrs += BLOCK_K * stride_wg_k
             wu_ptrs += BLOCK_K * stride_wu_k
 
-        act = _swiglu7_operand(acc_g, acc_u, act_ptr.dtype.element_ty, UPCAST)
-        padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-        tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
+        store_activation(acc_g, acc_u, block, n, act_ptr, stride_act, BLOCK_M, UPCAST)
 
 
 @triton.jit
@@ -222,7 +214,6 @@ def gate_up_wide_kernel(
                          mask=row_mask[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:
             x_tile = x_tile.to(tl.float32)
-        padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         wg_bank = w_gate_ptr + bank * stride_wg_bank
         wu_bank = w_up_ptr + bank * stride_wu_bank
         for j in range(0, tiles_per_item):
@@ -236,8 +227,7 @@ def gate_up_wide_kernel(
                 wu = wu.to(tl.float32)
             g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
             u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
-            act = _swiglu7_operand(g, u, act_ptr.dtype.element_ty, UPCAST)
-            tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
+            store_activation(g, u, block, n, act_ptr, stride_act, BLOCK_M, UPCAST)
 
 
 @triton.jit
@@ -292,15 +282,8 @@ def down_kernel(
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wd_k
 
-        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        row_mask = rows < end
-        probs = tl.load(probs_ptr + rows, mask=row_mask, other=0.0)
-        acc = acc * probs[:, None]  # routing weight in fp32
-        tl.store(rows_ptr + rows[:, None] * stride_rows + n[None, :], acc, mask=row_mask[:, None])
-        # Every column tile stores the same slot map entries (identical values, so the order of
-        # the duplicate writes cannot matter): cheaper than a branch on the tile index.
-        slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
-        tl.store(slot_route_ptr + slots, rows.to(tl.int32), mask=row_mask)
+        store_weighted_rows(acc, start, end, n, probs_ptr, slots_ptr, rows_ptr, slot_route_ptr,
+                            stride_rows, BLOCK_M)
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..backends import interpreter_enabled
-from .rounding import round_to, swiglu7
+from .epilogues import store_activation, store_weighted_rows
 
 
 @triton.jit
@@ -114,10 +114,8 @@ def gate_up_tma_kernel(
             acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
 
-        act = round_to(swiglu7(acc_g, acc_u), act_ptr.dtype.element_ty, UPCAST)
-        padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-        n = n0 + tl.arange(0, BLOCK_N)
-        tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
+        store_activation(acc_g, acc_u, block, n0 + tl.arange(0, BLOCK_N), act_ptr, stride_act,
+                         BLOCK_M, UPCAST)
 
 
 @triton.jit
@@ -156,14 +154,8 @@ def down_tma_kernel(
 
         start = tl.load(block_start_ptr + block)
         end = tl.load(offsets_ptr + bank.to(tl.int64) + 1)
-        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        row_mask = rows < end
-        probs = tl.load(probs_ptr + rows, mask=row_mask, other=0.0)
-        acc = acc * probs[:, None]  # routing weight in fp32
-        n = n0 + tl.arange(0, BLOCK_N)
-        tl.store(rows_ptr + rows[:, None] * stride_rows + n[None, :], acc, mask=row_mask[:, None])
-        slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
-        tl.store(slot_route_ptr + slots, rows.to(tl.int32), mask=row_mask)
+        store_weighted_rows(acc, start, end, n0 + tl.arange(0, BLOCK_N), probs_ptr, slots_ptr,
+                            rows_ptr, slot_route_ptr, stride_rows, BLOCK_M)
 
 
 # ---------------------------------------------------------------------------------------------

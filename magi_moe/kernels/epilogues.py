@@ -1,0 +1,32 @@
+"""The stores that end the fused path's GEMM work items, shared by the pointer-load kernels
+(:mod:`magi_moe.kernels.fused`) and the tensor-descriptor ones (:mod:`.fused_tma`), so both
+write exactly the same values to exactly the same places."""
+import triton
+import triton.language as tl
+
+from .rounding import round_to, swiglu7
+
+
+@triton.jit
+def store_activation(acc_g, acc_u, block, n, act_ptr, stride_act, BLOCK_M: tl.constexpr,
+                     SOFT_BF16: tl.constexpr):
+    """SwiGLU7 of the fp32 gate/up accumulators, rounded once to the activation dtype, into the
+    block's padded rows (padding rows had x = 0, so they store exact zeros)."""
+    act = round_to(swiglu7(acc_g, acc_u), act_ptr.dtype.element_ty, SOFT_BF16)
+    padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
+
+
+@triton.jit
+def store_weighted_rows(acc, start, end, n, probs_ptr, slots_ptr, rows_ptr, slot_route_ptr,
+                        stride_rows, BLOCK_M: tl.constexpr):
+    """``p * acc`` in fp32 into the routes' rows ``[R, Dh]`` (CSR order), and each route's CSR
+    index into its slot. Every column tile stores the same slot entries (identical values, so
+    the order of the duplicate writes cannot matter): cheaper than a branch on the tile index."""
+    rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+    row_mask = rows < end
+    probs = tl.load(probs_ptr + rows, mask=row_mask, other=0.0)
+    acc = acc * probs[:, None]  # routing weight in fp32
+    tl.store(rows_ptr + rows[:, None] * stride_rows + n[None, :], acc, mask=row_mask[:, None])
+    slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
+    tl.store(slot_route_ptr + slots, rows.to(tl.int32), mask=row_mask)
