@@ -271,10 +271,10 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
 # tile sweep
 # ---------------------------------------------------------------------------------------------
 # Gate/up candidates as FusedTiles fields, each with the programs per SM to try: "kloop" loops
-# over Dh per column tile, "wide" loads a block's x rows once and loops over column tiles,
-# "tma"/"tma_gathered" load tiles by tensor descriptor (kernels/fused_tma.py), "ws" asks
-# Triton to warp-specialise the K loop. Versions 1-3 (NOTES-perf.md) also tried flattened
-# loops, the wide kernel, BK=16, 64x256 tiles and register caps: slower everywhere, dropped.
+# over Dh per column tile, "tma"/"tma_gathered" load tiles by tensor descriptor
+# (kernels/fused_tma.py), "ws" asks Triton to warp-specialise the K loop. Versions 1-3
+# (NOTES-perf.md) also tried flattened loops, a "wide" kernel that loaded a block's x rows once,
+# BK=16, 64x256 tiles and register caps: slower everywhere, dropped (the wide kernel with them).
 def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), ws=False):
     tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_block_k=bk, gu_warps=warps,
                  gu_stages=stages, gu_warp_specialize=ws)

@@ -50,8 +50,8 @@ class AheadOfTime:
 
 
 KERNELS = {  # module -> kernel names launched through module attributes
-    "magi_moe.kernels.fused": ("block_schedule_kernel", "gate_up_kernel", "gate_up_wide_kernel",
-                               "down_kernel", "topk_sum_kernel"),
+    "magi_moe.kernels.fused": ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
+                               "topk_sum_kernel"),
     "magi_moe.kernels.fused_tma": ("gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel"),
     "magi_moe.kernels.fused_routing": ("router_topk_kernel", "bank_prefix_kernel",
                                        "place_routes_kernel"),

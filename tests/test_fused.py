@@ -144,14 +144,12 @@ def test_packed_and_plain_weights_give_the_same_bits(device):
 
 @pytest.mark.parametrize("variant", [
     dict(gu_variant="kloop", gu_block_n=32, gu_block_k=16, down_block_n=16, down_block_k=32),
-    dict(gu_variant="wide", gu_block_n=16, gu_n_split=2),
-    dict(gu_variant="wide", block_m=32, gu_block_n=32, gu_n_split=1),
     dict(gu_variant="tma", gu_block_n=32, gu_block_k=16, down_variant="tma", down_block_n=16,
          down_block_k=32),
     dict(gu_variant="tma_gathered", block_m=32, gu_block_n=64, gu_block_k=16,
          down_variant="tma", down_block_k=16),
-], ids=["kloop-small-tiles", "wide-split", "wide-bm32", "tma", "tma-gathered"])
-@pytest.mark.parametrize("head_dim", [32, 48])  # 48: the wide kernel masks its padded width
+], ids=["kloop-small-tiles", "tma", "tma-gathered"])
+@pytest.mark.parametrize("head_dim", [32, 48])  # 48: the gather pass masks its padded width
 def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     fused = F()
     cfg = MoEConfig(num_heads=2, head_dim=head_dim, num_experts=4, top_k=2, intermediate_size=64)

@@ -175,62 +175,6 @@ def gate_up_kernel(
 
 
 @triton.jit
-def gate_up_wide_kernel(
-    # pointers (as gate_up_kernel)
-    x_ptr, w_gate_ptr, w_up_ptr, gather_ptr, offsets_ptr,
-    block_bank_ptr, block_start_ptr, block_count_ptr, act_ptr,
-    # strides and sizes
-    stride_x, stride_wg_bank, stride_wg_k, stride_wu_bank, stride_wu_k, stride_act,
-    num_experts,
-    HEAD_DIM: tl.constexpr,
-    INTER: tl.constexpr,
-    # tiles and modes
-    DH_PAD: tl.constexpr,      # power of two >= HEAD_DIM: the whole reduction in one dot
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    N_SPLIT: tl.constexpr,     # work items per block (each covers INTER / N_SPLIT columns)
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """gate_up_kernel's output, organised for a short reduction (Dh = 256): a work item loads
-    its block's gathered ``x`` rows once, whole width, and loops over ``BLOCK_N`` column tiles,
-    so the pipelined loop streams weight tiles instead of restarting for every tile."""
-    tiles_per_item: tl.constexpr = INTER // BLOCK_N // N_SPLIT
-    work = tl.load(block_count_ptr) * N_SPLIT
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
-        block = item // N_SPLIT
-        split = item % N_SPLIT
-        bank = tl.load(block_bank_ptr + block).to(tl.int64)
-        start = tl.load(block_start_ptr + block)
-        end = tl.load(offsets_ptr + bank + 1)
-        head = bank // num_experts
-
-        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        row_mask = rows < end
-        tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        d = tl.arange(0, DH_PAD)
-        d_mask = d < HEAD_DIM
-        x_tile = tl.load(x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + d[None, :],
-                         mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-        if UPCAST:
-            x_tile = x_tile.to(tl.float32)
-        wg_bank = w_gate_ptr + bank * stride_wg_bank
-        wu_bank = w_up_ptr + bank * stride_wu_bank
-        for j in range(0, tiles_per_item):
-            n = (split * tiles_per_item + j) * BLOCK_N + tl.arange(0, BLOCK_N)
-            wg = tl.load(wg_bank + d[:, None] * stride_wg_k + n[None, :], mask=d_mask[:, None],
-                         other=0.0)
-            wu = tl.load(wu_bank + d[:, None] * stride_wu_k + n[None, :], mask=d_mask[:, None],
-                         other=0.0)
-            if UPCAST:
-                wg = wg.to(tl.float32)
-                wu = wu.to(tl.float32)
-            g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
-            u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
-            store_activation(g, u, block, n, act_ptr, stride_act, BLOCK_M, UPCAST)
-
-
-@triton.jit
 def down_kernel(
     # pointers
     act_ptr,          # [max_blocks*BLOCK_M, I] SwiGLU7 activation from gate_up_kernel
@@ -330,12 +274,10 @@ class FusedTiles:
     gu_block_k: int = 64
     gu_warps: int = 4
     gu_stages: int = 3
-    # "kloop": K-loop per column tile; "wide": x rows loaded once; "tma": kloop with weight
-    # tiles by tensor descriptor; "tma_gathered": x rows gathered first, both operands by
+    # "kloop": K-loop per column tile; "tma": kloop with weight tiles by tensor descriptor; "tma_gathered": x rows gathered first, both operands by
     # descriptor (kernels/fused_tma.py). Descriptor variants fall back to "kloop" where TMA is
     # unavailable (before Hopper, unaligned weights).
     gu_variant: str = "kloop"
-    gu_n_split: int = 1         # "wide": work items per row block
     gu_maxnreg: int = 0         # register cap per thread (0: the compiler's choice), for occupancy
     gu_warp_specialize: bool = False  # descriptor variants: tl.range(warp_specialize=...)
     down_block_n: int = 128
@@ -354,10 +296,8 @@ class FusedTiles:
         """The same tiles with N/K blocks shrunk to powers of two dividing the widths (the
         config guarantees multiples of 16), so the kernels' inner loops need no masks."""
         Dh, I = config.head_dim, config.intermediate_size
-        gu_block_n = _divisor_block(I, self.gu_block_n)
         return FusedTiles(**{**asdict(self),
-                             "gu_block_n": gu_block_n,
-                             "gu_n_split": math.gcd(self.gu_n_split, I // gu_block_n),
+                             "gu_block_n": _divisor_block(I, self.gu_block_n),
                              "gu_block_k": _divisor_block(Dh, self.gu_block_k),
                              "down_block_n": _divisor_block(Dh, self.down_block_n),
                              "down_block_k": _divisor_block(I, self.down_block_k)})
@@ -582,7 +522,7 @@ def _dot_modes() -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"  # tf32 is never used: operands are 16-bit
 
 
-GATE_UP_VARIANTS = ("kloop", "wide", "tma", "tma_gathered")
+GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered")
 DOWN_VARIANTS = ("ptr", "tma")
 
 
@@ -600,26 +540,12 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
     if tiles.gu_variant.startswith("tma") and _launch_gate_up_tma(
             x, table, weights, config, schedule, act, tiles, workspace):
         return
-    common = (x, wg, wu, table.gather_ids, table.offsets,
-              schedule.block_bank, schedule.block_start, schedule.block_count, act,
-              x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
-              config.num_experts)
-    if tiles.gu_variant == "wide":
-        if (I // tiles.gu_block_n) % tiles.gu_n_split:
-            raise ValueError(f"gu_n_split={tiles.gu_n_split} must divide the "
-                             f"{I // tiles.gu_block_n} column tiles of I={I}")
-        work = schedule.max_blocks * tiles.gu_n_split
-        gate_up_wide_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
-            *common, HEAD_DIM=config.head_dim, INTER=I,
-            DH_PAD=max(16, triton.next_power_of_2(config.head_dim)),
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n, N_SPLIT=tiles.gu_n_split,
-            UPCAST=upcast, DOT_PRECISION=precision,
-            num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
-        )
-        return
     work = schedule.max_blocks * (I // tiles.gu_block_n)
     gate_up_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
-        *common, HEAD_DIM=config.head_dim, INTER=I,
+        x, wg, wu, table.gather_ids, table.offsets,
+        schedule.block_bank, schedule.block_start, schedule.block_count, act,
+        x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
+        config.num_experts, HEAD_DIM=config.head_dim, INTER=I,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n, BLOCK_K=tiles.gu_block_k,
         UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
