@@ -61,7 +61,7 @@ from ..routing import RouteTable
 from ..validation import check_tensor
 from ..weights import ExpertWeights
 from . import fused_tma as T
-from .epilogues import store_activation, store_weighted_rows
+from .blocks import block_rows, store_activation, store_weighted_rows
 from .rounding import round_to
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -143,12 +143,8 @@ def gate_up_kernel(
         block = item // num_n
         n_block = item % num_n
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
-        start = tl.load(block_start_ptr + block)
-        end = tl.load(offsets_ptr + bank + 1)
         head = bank // num_experts
-
-        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        row_mask = rows < end
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
         tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         k = tl.arange(0, BLOCK_K)
         n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -207,9 +203,6 @@ def down_kernel(
         block = item // num_n
         n_block = item % num_n
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
-        start = tl.load(block_start_ptr + block)
-        end = tl.load(offsets_ptr + bank + 1)
-
         padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         k = tl.arange(0, BLOCK_K)
         n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -226,8 +219,9 @@ def down_kernel(
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wd_k
 
-        store_weighted_rows(acc, start, end, n, probs_ptr, slots_ptr, rows_ptr, slot_route_ptr,
-                            stride_rows, BLOCK_M)
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
+        store_weighted_rows(acc, rows, row_mask, n, probs_ptr, slots_ptr, rows_ptr,
+                            slot_route_ptr, stride_rows)
 
 
 @triton.jit

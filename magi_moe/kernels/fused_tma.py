@@ -25,7 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..backends import interpreter_enabled
-from .epilogues import store_activation, store_weighted_rows
+from .blocks import block_rows, store_activation, store_weighted_rows
 
 
 @triton.jit
@@ -47,11 +47,8 @@ def gather_rows_kernel(
     block = tl.program_id(0)  # one program per possible block; those past the live count exit
     if block < tl.load(block_count_ptr):
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
-        start = tl.load(block_start_ptr + block)
-        end = tl.load(offsets_ptr + bank + 1)
         head = bank // num_experts
-        rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-        row_mask = rows < end
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
         tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         d = tl.arange(0, DH_PAD)
         d_mask = d < HEAD_DIM
@@ -90,10 +87,7 @@ def gate_up_tma_kernel(
         bank = tl.load(block_bank_ptr + block)
         w_row = bank * HEAD_DIM
         if not X_GATHERED:
-            start = tl.load(block_start_ptr + block)
-            end = tl.load(offsets_ptr + bank.to(tl.int64) + 1)
-            rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-            row_mask = rows < end
+            rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
             tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
             head = bank.to(tl.int64) // num_experts
             x_ptrs = x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + tl.arange(0, BLOCK_K)[None, :]
@@ -152,10 +146,9 @@ def down_tma_kernel(
                 w = w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
 
-        start = tl.load(block_start_ptr + block)
-        end = tl.load(offsets_ptr + bank.to(tl.int64) + 1)
-        store_weighted_rows(acc, start, end, n0 + tl.arange(0, BLOCK_N), probs_ptr, slots_ptr,
-                            rows_ptr, slot_route_ptr, stride_rows, BLOCK_M)
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
+        store_weighted_rows(acc, rows, row_mask, n0 + tl.arange(0, BLOCK_N), probs_ptr,
+                            slots_ptr, rows_ptr, slot_route_ptr, stride_rows)
 
 
 # ---------------------------------------------------------------------------------------------

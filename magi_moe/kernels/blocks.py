@@ -1,10 +1,21 @@
-"""The stores that end the fused path's GEMM work items, shared by the pointer-load kernels
-(:mod:`magi_moe.kernels.fused`) and the tensor-descriptor ones (:mod:`.fused_tma`), so both
-write exactly the same values to exactly the same places."""
+"""What a work item of the fused path reads about its row block and the stores that end it,
+shared by the pointer-load kernels (:mod:`magi_moe.kernels.fused`) and the tensor-descriptor
+ones (:mod:`.fused_tma`), so both address the same routes and write exactly the same values to
+exactly the same places."""
 import triton
 import triton.language as tl
 
 from .rounding import round_to, swiglu7
+
+
+@triton.jit
+def block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M: tl.constexpr):
+    """The route rows (CSR indices, int64) of live block ``block`` of ``bank``, and which of
+    them exist (a bank's last block is padded past its routes)."""
+    start = tl.load(block_start_ptr + block)
+    end = tl.load(offsets_ptr + bank.to(tl.int64) + 1)
+    rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
+    return rows, rows < end
 
 
 @triton.jit
@@ -18,13 +29,11 @@ def store_activation(acc_g, acc_u, block, n, act_ptr, stride_act, BLOCK_M: tl.co
 
 
 @triton.jit
-def store_weighted_rows(acc, start, end, n, probs_ptr, slots_ptr, rows_ptr, slot_route_ptr,
-                        stride_rows, BLOCK_M: tl.constexpr):
+def store_weighted_rows(acc, rows, row_mask, n, probs_ptr, slots_ptr, rows_ptr, slot_route_ptr,
+                        stride_rows):
     """``p * acc`` in fp32 into the routes' rows ``[R, Dh]`` (CSR order), and each route's CSR
     index into its slot. Every column tile stores the same slot entries (identical values, so
     the order of the duplicate writes cannot matter): cheaper than a branch on the tile index."""
-    rows = start + tl.arange(0, BLOCK_M).to(tl.int64)
-    row_mask = rows < end
     probs = tl.load(probs_ptr + rows, mask=row_mask, other=0.0)
     acc = acc * probs[:, None]  # routing weight in fp32
     tl.store(rows_ptr + rows[:, None] * stride_rows + n[None, :], acc, mask=row_mask[:, None])
