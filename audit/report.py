@@ -438,6 +438,14 @@ def write_plots(bound_reports, out: Path) -> list[str]:
     rows_n = (len(probes) + cols - 1) // cols
     files = []
 
+    def save(fig, axes, name: str) -> None:
+        for ax in list(axes.flat)[len(probes):]:  # grid cells without a probe
+            ax.axis("off")
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+
     fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 3.6 * rows_n), squeeze=False)
     for ax, probe in zip(axes.flat, probes):
         for _, impl, r in (c for c in chosen if c[0] == probe):
@@ -449,12 +457,7 @@ def write_plots(bound_reports, out: Path) -> list[str]:
         ax.set_xlabel("|error| / probabilistic bound")
         ax.set_ylabel("elements")
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(probes):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(out / "error_ratio_hist.png", dpi=110)
-    plt.close(fig)
-    files.append("error_ratio_hist.png")
+    save(fig, axes, "error_ratio_hist.png")
 
     fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 4.2 * rows_n), squeeze=False)
     for ax, probe in zip(axes.flat, probes):
@@ -472,10 +475,5 @@ def write_plots(bound_reports, out: Path) -> list[str]:
         ax.set_xlabel("worst-case bound")
         ax.set_ylabel("|out - reference|")
         ax.legend(fontsize=7, markerscale=4)
-    for ax in list(axes.flat)[len(probes):]:
-        ax.axis("off")
-    fig.tight_layout()
-    fig.savefig(out / "error_vs_bound.png", dpi=110)
-    plt.close(fig)
-    files.append("error_vs_bound.png")
+    save(fig, axes, "error_vs_bound.png")
     return files
