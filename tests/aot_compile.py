@@ -20,9 +20,6 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile as triton_compile, make_backend
-from triton.runtime.jit import create_function_from_signature
 
 SHARED_LIMIT = {90: 232448, 80: 101376}  # bytes per block: H200 opt-in; Ampere's smallest (sm_86)
 
@@ -30,11 +27,14 @@ SHARED_LIMIT = {90: 232448, 80: 101376}  # bytes per block: H200 opt-in; Ampere'
 class AheadOfTime:
     """Stands in for ``kernel`` in ``kernel[grid](...)``: compiles for ``target``, records."""
 
-    def __init__(self, kernel, name: str, target: GPUTarget, log: list):
+    def __init__(self, kernel, name: str, target, log: list):
         self.kernel, self.name, self.target, self.log = kernel, name, target, log
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            from triton.compiler import ASTSource, compile as triton_compile, make_backend
+            from triton.runtime.jit import create_function_from_signature
+
             kernel, backend = self.kernel, make_backend(self.target)
             binder = create_function_from_signature(kernel.signature, kernel.params, backend)
             bound, specialization, options = binder(*args, **kwargs)
@@ -64,6 +64,8 @@ def compiling_for(arch: int, log: list):
     """Every kernel launch inside compiles for ``sm_<arch>`` instead of running; descriptor
     variants are allowed (``tma_supported``) for sm_90."""
     import importlib
+
+    from triton.backends.compiler import GPUTarget
 
     from magi_moe.kernels import fused_tma
 
