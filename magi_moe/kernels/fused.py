@@ -528,12 +528,12 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
     if tiles.gu_variant not in GATE_UP_VARIANTS:
         raise ValueError(f"FusedTiles.gu_variant must be one of {GATE_UP_VARIANTS}, "
                          f"got {tiles.gu_variant!r}")
-    upcast, precision = _dot_modes()
-    wg, wu = weights.w_gate, weights.w_up
-    I = config.intermediate_size
     if tiles.gu_variant.startswith("tma") and _launch_gate_up_tma(
             x, table, weights, config, schedule, act, tiles, workspace):
         return
+    upcast, precision = _dot_modes()
+    wg, wu = weights.w_gate, weights.w_up
+    I = config.intermediate_size
     work = schedule.max_blocks * (I // tiles.gu_block_n)
     gate_up_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
         x, wg, wu, table.gather_ids, table.offsets,
