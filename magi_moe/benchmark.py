@@ -275,9 +275,9 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
 # (kernels/fused_tma.py), "ws" asks Triton to warp-specialise the K loop. Versions 1-3
 # (NOTES-perf.md) also tried flattened loops, a "wide" kernel that loaded a block's x rows once,
 # BK=16, 64x256 tiles and register caps: slower everywhere, dropped (the wide kernel with them).
-def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), ws=False):
+def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), ws=False, act="ptr"):
     tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_block_k=bk, gu_warps=warps,
-                 gu_stages=stages, gu_warp_specialize=ws)
+                 gu_stages=stages, gu_warp_specialize=ws, gu_act_store=act)
     return [{**tiles, "gu_programs_per_sm": p} for p in ppsm]
 
 
@@ -288,22 +288,38 @@ def _dn(bm, bn, bk, warps, stages, ppsm=(1, 2), variant="ptr", ws=False):
 
 
 GATE_UP_CANDIDATES = tuple(c for group in (
-    # version 3's winners (pointer loads)
-    _gu("kloop", 64, 128, 32, 4, 5, (2,)), _gu("kloop", 64, 128, 32, 4, 4, (2,)),
+    # version 3's winner (pointer loads): each block size's first candidate is the reference
+    # the others are checked against
+    _gu("kloop", 64, 128, 32, 4, 5, (2,)),
     _gu("kloop", 128, 128, 32, 8, 4, (1,)),
-    # weight tiles by descriptor
-    _gu("tma", 64, 128, 32, 4, 4, (2,)), _gu("tma", 64, 128, 32, 4, 5, (2,)),
-    _gu("tma", 64, 128, 64, 4, 3), _gu("tma", 128, 128, 32, 8, 4, (1,)),
-    # both operands by descriptor, x rows gathered first; warp-specialised
-    _gu("tma_gathered", 64, 128, 32, 4, 5, (2,)), _gu("tma_gathered", 64, 128, 64, 4, 3),
-    _gu("tma_gathered", 64, 128, 32, 4, 4, (2,), ws=True),
-    _gu("tma_gathered", 64, 128, 64, 4, 3, (1,), ws=True),
+    # both operands by descriptor, x rows gathered first (version 4's winner first)
+    _gu("tma_gathered", 64, 128, 32, 4, 5, (2,)),
+    _gu("tma_gathered", 64, 128, 32, 4, 4, (2,), act="tma"),
+    _gu("tma_gathered", 64, 128, 32, 8, 5, (2,)),  # two warpgroups share the epilogue
+    _gu("tma_gathered", 64, 64, 32, 4, 5, (3, 4)), _gu("tma_gathered", 64, 64, 64, 4, 3, (3, 4)),
+    _gu("tma_gathered", 128, 128, 32, 8, 4, (1,)),
+    # warp-specialised work-item loop (load warps feed the next item during an epilogue)
+    _gu("tma_gathered", 64, 128, 32, 4, 4, (1, 2), ws=True),
+    _gu("tma_gathered", 64, 128, 32, 4, 3, (2,), ws=True, act="tma"),
+    _gu("tma_gathered", 128, 128, 32, 8, 4, (1,), ws=True),
+) for c in group)
+# Whole-block gate/up (x rows loaded once per block; no gather pass): "wide_tma".
+WIDE_CANDIDATES = tuple(
+    _gu("wide_tma", 64, 64, 256, 4, 2, (1,), act="tma") + _gu("wide_tma", 64, 64, 256, 8, 2, (1,), act="tma")
+    + _gu("wide_tma", 64, 32, 256, 4, 4, (1,), act="tma") + _gu("wide_tma", 64, 32, 256, 4, 2, (2,), act="tma")
+)
+GATE_UP_CANDIDATES = GATE_UP_CANDIDATES + tuple(WIDE_CANDIDATES)
+# Gate/up and down in one work item ("mlp_tma"): timed against the best gate/up + down pair.
+MLP_CANDIDATES = tuple(c for group in (
+    _gu("mlp_tma", 64, 64, 256, 8, 2, (1,)), _gu("mlp_tma", 64, 32, 256, 8, 3, (1,)),
+    _gu("mlp_tma", 64, 32, 256, 8, 4, (1,)), _gu("mlp_tma", 64, 32, 256, 4, 3, (1,)),
+    _gu("mlp_tma", 64, 64, 256, 4, 2, (1,)),
 ) for c in group)
 DOWN_CANDIDATES = tuple(c for group in (
-    _dn(64, 128, 64, 4, 4), _dn(64, 256, 64, 8, 4), _dn(128, 256, 64, 8, 3),
-    _dn(64, 128, 64, 4, 4, variant="tma"), _dn(64, 256, 64, 8, 3, variant="tma"),
-    _dn(64, 128, 64, 4, 4, (2,), variant="tma", ws=True),
-    _dn(128, 256, 64, 8, 3, (1,), variant="tma"),
+    _dn(64, 128, 64, 4, 4, (2,)), _dn(128, 256, 64, 8, 3, (1,)),
+    _dn(64, 128, 64, 4, 4, (2,), variant="tma"), _dn(128, 256, 64, 8, 3, (1,), variant="tma"),
+    _dn(64, 128, 64, 4, 4, (1, 2), variant="tma", ws=True),
+    _dn(128, 256, 64, 8, 3, (1,), variant="tma", ws=True),
 ) for c in group)
 SUM_CANDIDATES = ((8, 4), (16, 4), (32, 4), (32, 8))
 ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
@@ -332,6 +348,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
     candidate that fails to compile, launch or agree is recorded with ``ms: None``."""
     from .kernels import fused as F
     from .kernels import fused_routing as FR
+    from .kernels import fused_tma as T
     from .packed_weights import pack_expert_weights
 
     cfg, table, device = problem.config, problem.table, problem.x.device
@@ -342,7 +359,8 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
     slot_route = torch.empty(S * cfg.num_heads * cfg.top_k, dtype=torch.int32, device=device)
     out = torch.empty_like(problem.x)
     timing = dict(warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
-    results: dict = {"gate_up": [], "down": [], "sum": [], "routing": [], "schedule": {}}
+    results: dict = {"gate_up": [], "down": [], "mlp": [], "sum": [], "routing": [],
+                      "schedule": {}, "gather": {}}
 
     def attempt(kernel, tiles, launch, check):
         try:
@@ -361,6 +379,9 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         results["schedule"][bm] = _time_one(
             lambda: F.launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws), **timing)
         live = int(sched.block_count) * bm
+        xg = ws.get("x_gathered", (sched.max_blocks * bm, cfg.head_dim), problem.x.dtype)
+        results["gather"][bm] = _time_one(  # part of every "tma_gathered" time: shown apart
+            lambda: T.launch_gather_rows(problem.x, table, sched, xg, cfg), **timing)
         act = torch.empty(sched.max_blocks * bm, cfg.intermediate_size, dtype=cfg.dtype,
                           device=device)
         want_act = None
@@ -392,6 +413,18 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
             attempt("down", cand,
                     lambda: F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles),
                     check)
+        for cand in (c for c in MLP_CANDIDATES if c["block_m"] == bm):
+            tiles = F.FusedTiles(**cand).fitted(cfg)
+
+            def launch():
+                if not F.launch_expert_mlp(problem.x, table, packed, cfg, sched, rows, slot_route, tiles):
+                    raise RuntimeError("the one-kernel path cannot run here")
+
+            def check():
+                rows.fill_(float("nan"))
+                launch()
+                return want_rows is not None and _close(rows, want_rows, 1e-5)
+            attempt("mlp", cand, launch, check)
     for bt, warps in SUM_CANDIDATES:
         tiles = F.FusedTiles(sum_block_t=bt, sum_warps=warps)
         attempt("sum", {"sum_block_t": bt, "sum_warps": warps},
@@ -446,6 +479,7 @@ def best_tiles(sweeps: list[dict]):
     from .kernels.fused import FusedTiles
 
     gu, dn, sm = (_normalised(sweeps, k) for k in ("gate_up", "down", "sum"))
+    mlp = _normalised(sweeps, "mlp") if all("mlp" in s for s in sweeps) else {}
     best = None
     for bm in sorted({dict(k)["block_m"] for k in gu} & {dict(k)["block_m"] for k in dn}):
         g = min((v, k) for k, v in gu.items() if dict(k)["block_m"] == bm)[1]
@@ -453,6 +487,10 @@ def best_tiles(sweeps: list[dict]):
         total = sum(_ms(s, "gate_up", g) + _ms(s, "down", d) for s in sweeps)
         if best is None or total < best[0]:
             best = (total, g, d)
+    for m in mlp:  # one kernel for both GEMMs: its time against the best pair's
+        total = sum(_ms(s, "mlp", m) for s in sweeps)
+        if total < best[0]:
+            best = (total, m, ())
     _, g, d = best
     st = min((v, k) for k, v in sm.items())[1]
     return FusedTiles(**{**dict(g), **dict(d), **dict(st)})
@@ -525,6 +563,43 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
     return summary
 
 
+def breakdown_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> dict:
+    """Median ms of each launch of the fused path with the tiles it would choose, timed alone
+    (L2 flushed before each): where a case's time goes. ``gate_up`` includes the gather pass
+    that ``tma_gathered`` launches first (also shown alone as ``gather``)."""
+    from .kernels import fused as F
+    from .kernels import fused_tma as T
+    from .packed_weights import pack_expert_weights
+
+    cfg, table, x = problem.config, problem.table, problem.x
+    device, R = x.device, table.num_routes
+    packed = pack_expert_weights(problem.weights)
+    tiles = F.choose_fused_tiles(cfg, R, device)
+    ws = F.FusedWorkspace(device)
+    sched = F.launch_block_schedule(table.offsets, R, cfg.num_banks, tiles.block_m, ws)
+    act = ws.get("act", (sched.max_blocks * tiles.block_m, cfg.intermediate_size), cfg.dtype)
+    rows = ws.get("rows", (R, cfg.head_dim), torch.float32)
+    slot_route = ws.get("slot_route", (problem.num_tokens * cfg.num_heads * cfg.top_k,), torch.int32)
+    out = torch.empty_like(x)
+    stages = {"schedule": lambda: F.launch_block_schedule(table.offsets, R, cfg.num_banks,
+                                                          tiles.block_m, ws)}
+    if tiles.gu_variant == "mlp_tma":
+        stages["gate_up+down"] = lambda: F.launch_expert_mlp(x, table, packed, cfg, sched, rows,
+                                                             slot_route, tiles)
+    else:
+        if tiles.gu_variant == "tma_gathered":
+            xg = ws.get("x_gathered", (sched.max_blocks * tiles.block_m, cfg.head_dim), x.dtype)
+            stages["gather"] = lambda: T.launch_gather_rows(x, table, sched, xg, cfg)
+        stages["gate_up"] = lambda: F.launch_gate_up(x, table, packed, cfg, sched, act, tiles, ws)
+        stages["down"] = lambda: F.launch_down(table, packed, cfg, sched, act, rows, slot_route,
+                                               tiles)
+    stages["sum"] = lambda: F.launch_topk_sum(rows, slot_route, out, cfg, tiles)
+    stages["whole"] = lambda: F.fused_forward(x, table, packed, cfg, out=out, tiles=tiles,
+                                              workspace=ws)
+    timing = dict(warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
+    return {"tiles": asdict(tiles), "ms": {name: _time_one(fn, **timing) for name, fn in stages.items()}}
+
+
 # ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
@@ -577,6 +652,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep-only", action="store_true", help="with --sweep: no benchmark after it")
     ap.add_argument("--merge-tiles", action="store_true",
                     help="with --write-tiles: replace only the tabled classes the swept cases fall in")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time each launch of the fused path alone, per case")
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args(argv)
     args.paths = tuple(p for p in args.paths.split(",") if p)
@@ -603,6 +680,16 @@ def main(argv=None) -> int:
                                     flush_mib=args.flush_mib, write=args.write_tiles,
                                     merge=args.merge_tiles)
         print(json.dumps({k: report["sweep"][k] for k in ("classes", "routing")}, indent=1), flush=True)
+    if args.breakdown:
+        report["breakdown"] = {}
+        for case in cases:
+            problem = draw_problem(case, device)
+            bd = breakdown_case(problem, warmup=args.warmup, iters=args.iters,
+                                flush_mib=args.flush_mib)
+            report["breakdown"][case.label] = bd
+            print(f"{case.label:<15} fused launches (ms): "
+                  + "  ".join(f"{k} {v:.3f}" for k, v in bd["ms"].items()), flush=True)
+            del problem
     results = []
     for case in ([] if args.sweep and args.sweep_only else cases):
         results.append(run_case(case, args.paths, device=device, warmup=args.warmup,

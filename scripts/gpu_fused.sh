@@ -12,7 +12,8 @@
 # CUDA tests: tests/test_fused.py, tests/test_packed_weights.py and the implementation matrix
 # for fused (production shapes, determinism, no host sync, no allocation once warm).
 # Results go to $OUT (or ./gpu-out): logs, the benchmark JSON and the tile table.
-# BENCH_PATHS, BENCH_ROUNDS: the benchmark's paths and rounds; FUSED_TESTS=0 skips the tests.
+# BENCH_PATHS, BENCH_ROUNDS: the benchmark's paths and rounds; BENCH_ARGS: more benchmark
+# arguments (e.g. --breakdown: each launch timed alone); FUSED_TESTS=0 skips the tests.
 set -uo pipefail
 MODE=${1:-all}
 OUT=${OUT:-gpu-out}
@@ -33,7 +34,7 @@ if [ "$MODE" != bench ]; then  # its own process: a candidate that faults cannot
   cp magi_moe/kernels/tiles/fused.json "$OUT/fused.json" 2>/dev/null
 fi
 timeout "${BENCH_TIMEOUT:-130}" $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \
-    --rounds "${BENCH_ROUNDS:-2}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
+    --rounds "${BENCH_ROUNDS:-2}" ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 
 if [ "$MODE" != sweep ]; then
   timeout 120 $PY -m pytest -q -p no:cacheprovider tests/benchmarks -m cuda \

@@ -8,10 +8,11 @@ from magi_moe.benchmark import best_tiles, merged_classes
 from magi_moe.kernels.fused import FusedTiles, load_tile_table, write_tile_table
 
 
-def _sweep(gate_up: dict, down: dict) -> dict:
-    """A sweep result: gate_up/down map a candidate's tiles (as tuples) to ms or None."""
+def _sweep(gate_up: dict, down: dict, mlp: dict | None = None) -> dict:
+    """A sweep result: gate_up/down/mlp map a candidate's tiles (as tuples) to ms or None."""
     return {"gate_up": [{"tiles": dict(t), "ms": ms} for t, ms in gate_up.items()],
             "down": [{"tiles": dict(t), "ms": ms} for t, ms in down.items()],
+            "mlp": [{"tiles": dict(t), "ms": ms} for t, ms in (mlp or {}).items()],
             "sum": [{"tiles": {"sum_block_t": 8, "sum_warps": 4}, "ms": 0.01}]}
 
 
@@ -26,6 +27,20 @@ def test_best_tiles_takes_the_fastest_and_drops_candidates_that_failed_anywhere(
     two = _sweep({FAST: 2.0, SLOW: 2.1, BROKEN: None}, {DOWN: 0.8})
     tiles = best_tiles([one, two])
     assert (tiles.gu_variant, tiles.gu_block_k, tiles.down_variant) == ("tma", 32, "tma")
+
+
+MLP = (("block_m", 64), ("gu_variant", "mlp_tma"), ("gu_block_n", 32))
+
+
+def test_one_kernel_candidate_wins_only_against_the_best_pair_total():
+    """The gate/up + down kernel is timed whole: it must beat the best pair's sum (1.4 here)."""
+    slower = _sweep({FAST: 1.0, SLOW: 1.2}, {DOWN: 0.4}, {MLP: 1.45})
+    assert best_tiles([slower]).gu_variant == "tma"
+    faster = _sweep({FAST: 1.0, SLOW: 1.2}, {DOWN: 0.4}, {MLP: 1.3})
+    tiles = best_tiles([faster])
+    assert (tiles.gu_variant, tiles.gu_block_n) == ("mlp_tma", 32)
+    failed = _sweep({FAST: 1.0}, {DOWN: 0.4}, {MLP: None})
+    assert best_tiles([failed]).gu_variant == "tma"
 
 
 def test_merge_replaces_only_the_class_the_swept_case_falls_in(tmp_path):

@@ -80,8 +80,11 @@ def test_block_schedule_worked_example(device):
     assert sched.block_bank[:int(sched.block_count)].tolist() == [0, 0, 2]
 
 
+@pytest.mark.parametrize("from_counts", [False, True], ids=["offsets", "counts"])
 @pytest.mark.parametrize("block_m", [1, 16, 64])
-def test_block_schedule_covers_every_route_within_the_bound(device, block_m):
+def test_block_schedule_covers_every_route_within_the_bound(device, block_m, from_counts):
+    """Several programs fill the schedule (block_m=1 gives over a hundred slots); from counts,
+    the offsets they write must be the CSR cumsum."""
     fused = F()
     gen = torch.Generator().manual_seed(block_m)
     counts = torch.randint(0, 3 * block_m, (50,), generator=gen)
@@ -90,8 +93,14 @@ def test_block_schedule_covers_every_route_within_the_bound(device, block_m):
     offsets = torch.zeros(51, dtype=torch.int64)
     offsets[1:] = torch.cumsum(counts, 0)
     R = int(offsets[-1])
-    sched = fused.launch_block_schedule(offsets.to(device), R, 50, block_m,
-                                        fused.FusedWorkspace(device))
+    ws = fused.FusedWorkspace(device)
+    if from_counts:
+        written = torch.full((51,), -5, dtype=torch.int64, device=device)
+        sched = fused.launch_block_schedule(written, R, 50, block_m, ws,
+                                            counts=counts.to(torch.int32).to(device))
+        assert written.cpu().tolist() == offsets.tolist()
+    else:
+        sched = fused.launch_block_schedule(offsets.to(device), R, 50, block_m, ws)
     n = int(sched.block_count)
     assert n == int(((counts + block_m - 1) // block_m).sum()) <= sched.max_blocks
     bank = sched.block_bank[:n].cpu().long()
@@ -148,7 +157,13 @@ def test_packed_and_plain_weights_give_the_same_bits(device):
          down_block_k=32),
     dict(gu_variant="tma_gathered", block_m=32, gu_block_n=64, gu_block_k=16,
          down_variant="tma", down_block_k=16),
-], ids=["kloop-small-tiles", "tma", "tma-gathered"])
+    dict(gu_variant="tma_gathered", gu_act_store="tma", gu_block_n=32, gu_block_k=16,
+         down_variant="tma", down_block_k=16),
+    dict(gu_variant="wide_tma", gu_block_n=32, gu_act_store="tma", down_variant="tma",
+         down_block_k=16),
+    dict(gu_variant="mlp_tma", gu_block_n=16),
+], ids=["kloop-small-tiles", "tma", "tma-gathered", "tma-gathered-act-store", "wide-tma",
+        "mlp-tma"])
 @pytest.mark.parametrize("head_dim", [32, 48])  # 48: the gather pass masks its padded width
 def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     fused = F()
@@ -178,7 +193,8 @@ class RecordingKernel:
 def descriptor_launches(monkeypatch) -> list:
     from magi_moe.kernels import fused_tma
     log: list = []
-    for name in ("gate_up_tma_kernel", "down_tma_kernel", "gather_rows_kernel"):
+    for name in ("gate_up_tma_kernel", "down_tma_kernel", "gather_rows_kernel",
+                 "gate_up_wide_tma_kernel", "expert_mlp_tma_kernel"):
         monkeypatch.setattr(fused_tma, name, RecordingKernel(getattr(fused_tma, name), name, log))
     return log
 
@@ -194,8 +210,10 @@ def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None)
     return out
 
 
-@pytest.mark.parametrize("gu_variant", ["tma", "tma_gathered"])
-def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant,
+@pytest.mark.parametrize("gu_variant,act_store", [("tma", "ptr"), ("tma_gathered", "ptr"),
+                                                  ("tma_gathered", "tma"), ("wide_tma", "ptr"),
+                                                  ("wide_tma", "tma"), ("mlp_tma", "ptr")])
+def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant, act_store,
                                                                     descriptor_launches):
     """The descriptor kernels are really launched (no silent fallback) and compute what the
     pointer kernels compute: the same bits under the interpreter (same operations in the same
@@ -207,14 +225,20 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
         pytest.skip("tensor descriptors need Hopper or later")
     problem = random_problem(preset("small"), 45, seed=21, device=device)
     base = fused.INTERPRETER_TILES if device.type == "cpu" else fused.PORTABLE_TILES
-    pointer = fused.FusedTiles(**{**vars(base), "gu_block_k": 32, "down_block_k": 32}).fitted(problem.config)
-    descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": gu_variant, "down_variant": "tma"})
+    # The whole-block variants reduce over all of Dh in one dot, and mlp_tma over I in steps of
+    # gu_block_n: the pointer kernels take the same steps, so the interpreter's sums match.
+    whole = gu_variant in ("wide_tma", "mlp_tma")
+    pointer = fused.FusedTiles(**{**vars(base), "gu_block_k": 256 if whole else 32,
+                                  "gu_block_n": 32, "down_block_k": 32}).fitted(problem.config)
+    descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": gu_variant,
+                                     "gu_act_store": act_store, "down_variant": "tma"})
     want = _forward_with(problem, pointer)
     assert descriptor_launches == []
     got = _forward_with(problem, descriptor)
-    expected = ["gate_up_tma_kernel", "down_tma_kernel"]
-    if gu_variant == "tma_gathered":
-        expected.insert(0, "gather_rows_kernel")
+    expected = {"tma": ["gate_up_tma_kernel", "down_tma_kernel"],
+                "tma_gathered": ["gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel"],
+                "wide_tma": ["gate_up_wide_tma_kernel", "down_tma_kernel"],
+                "mlp_tma": ["expert_mlp_tma_kernel"]}[gu_variant]
     assert descriptor_launches == expected
     if device.type == "cpu":
         assert torch.equal(got, want)

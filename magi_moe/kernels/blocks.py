@@ -19,12 +19,18 @@ def block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M: tl.constexpr)
 
 
 @triton.jit
+def activation(acc_g, acc_u, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """SwiGLU7 of the fp32 gate/up accumulators, rounded once to the activation dtype."""
+    return round_to(swiglu7(acc_g, acc_u), dtype, SOFT_BF16)
+
+
+@triton.jit
 def store_activation(acc_g, acc_u, block, n, act_ptr, stride_act, BLOCK_M: tl.constexpr,
                      SOFT_BF16: tl.constexpr):
-    """SwiGLU7 of the fp32 gate/up accumulators, rounded once to the activation dtype, into the
-    block's padded rows (padding rows had x = 0, so they store exact zeros)."""
-    act = round_to(swiglu7(acc_g, acc_u), act_ptr.dtype.element_ty, SOFT_BF16)
-    padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    """The activation of a work item into the block's padded rows (padding rows had x = 0, so
+    they store exact zeros)."""
+    act = activation(acc_g, acc_u, act_ptr.dtype.element_ty, SOFT_BF16)
+    padded = tl.cast(block, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
 
 
@@ -39,3 +45,13 @@ def store_weighted_rows(acc, rows, row_mask, n, probs_ptr, slots_ptr, rows_ptr, 
     tl.store(rows_ptr + rows[:, None] * stride_rows + n[None, :], acc, mask=row_mask[:, None])
     slots = tl.load(slots_ptr + rows, mask=row_mask, other=0)
     tl.store(slot_route_ptr + slots, rows.to(tl.int32), mask=row_mask)
+
+
+@triton.jit
+def block_x_rows(x_ptr, gather_ptr, rows, row_mask, head, stride_x, HEAD_DIM: tl.constexpr):
+    """The block's routed tokens' ``x`` rows of head ``head``, whole width ``[BLOCK_M, Dh]``
+    (``Dh`` a power of two), zeros in padding rows."""
+    tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    return tl.load(x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + d[None, :],
+                   mask=row_mask[:, None], other=0.0)

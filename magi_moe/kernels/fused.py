@@ -2,7 +2,7 @@
 
 Four launches, none of them sized by a count read back to the host:
 
-1. ``block_schedule_kernel`` (one program): from the CSR offsets, the blocks of ``BLOCK_M``
+1. ``block_schedule_kernel``: from the CSR offsets, the blocks of ``BLOCK_M``
    routes of every bank ``f = h*E + e``, written into an upper-bound buffer, and the live block
    count into a one-element device buffer. Worked example (``BLOCK_M = 2``):
    ``offsets = [0, 3, 3, 4]`` -> ``block_bank = [0, 0, 2]``, ``block_start = [0, 2, 3]``,
@@ -82,29 +82,44 @@ def block_schedule_kernel(
     max_blocks,
     BLOCK_M: tl.constexpr,
     BANKS_PAD: tl.constexpr,   # power of two >= num_banks
+    SLOTS: tl.constexpr,       # schedule slots filled by each program
     FROM_COUNTS: tl.constexpr,
 ):
+    # Every program works out all banks' block ranges (a cumsum over H*E values) and fills
+    # chunks of SLOTS schedule entries: no program waits on another, and none loops over the
+    # busiest bank's blocks (the one-program form took 36 us at S=16384, NOTES-perf.md). The
+    # grid is capped (the launcher's choice) so the cumsum is not redone thousands of times.
+    pid = tl.program_id(0)
     f = tl.arange(0, BANKS_PAD)
     live = f < num_banks
     if FROM_COUNTS:
         counts = tl.load(counts_ptr + f, mask=live, other=0).to(tl.int64)
         ends = tl.cumsum(counts, 0)
         starts = ends - counts
-        tl.store(offsets_ptr + 1 + f, ends, mask=live)
-        tl.store(offsets_ptr + f, starts, mask=f == 0)
+        if pid == 0:
+            tl.store(offsets_ptr + 1 + f, ends, mask=live)
+            tl.store(offsets_ptr + f, starts, mask=f == 0)
     else:
         starts = tl.load(offsets_ptr + f, mask=live, other=0)
         counts = tl.load(offsets_ptr + 1 + f, mask=live, other=0) - starts
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    first_block = tl.cumsum(blocks, 0) - blocks
+    blocks_end = tl.cumsum(blocks, 0)
     # A malformed table could claim more blocks than the buffer holds: never run past it.
-    tl.store(block_count_ptr, tl.minimum(tl.sum(blocks, 0), max_blocks).to(tl.int32))
-    # Bank f owns blocks first_block[f] .. first_block[f] + blocks[f] - 1.
-    for j in range(0, tl.max(blocks, 0)):
-        slot = first_block + j
-        m = live & (j < blocks) & (slot < max_blocks)
-        tl.store(block_bank_ptr + slot, f.to(tl.int32), mask=m)
-        tl.store(block_start_ptr + slot, starts + j * BLOCK_M, mask=m)
+    live_blocks = tl.minimum(tl.sum(blocks, 0), max_blocks)
+    if pid == 0:
+        tl.store(block_count_ptr, live_blocks.to(tl.int32))
+    # Bank f owns slots blocks_end[f] - blocks[f] .. blocks_end[f] - 1; slot j of it starts
+    # at route starts[f] + j * BLOCK_M, i.e. at base[f] + slot * BLOCK_M.
+    base = starts - (blocks_end - blocks) * BLOCK_M
+    for chunk in range(pid, tl.cdiv(live_blocks, SLOTS), tl.num_programs(0)):
+        slot = tl.cast(chunk, tl.int64) * SLOTS + tl.arange(0, SLOTS).to(tl.int64)
+        owner = ((slot[:, None] >= (blocks_end - blocks)[None, :])
+                 & (slot[:, None] < blocks_end[None, :]))
+        bank = tl.sum(tl.where(owner, f[None, :], 0), 1)
+        start = tl.sum(tl.where(owner, base[None, :], 0), 1) + slot * BLOCK_M
+        m = slot < live_blocks
+        tl.store(block_bank_ptr + slot, bank.to(tl.int32), mask=m)
+        tl.store(block_start_ptr + slot, start, mask=m)
 
 
 @triton.jit
@@ -268,12 +283,17 @@ class FusedTiles:
     gu_block_k: int = 64
     gu_warps: int = 4
     gu_stages: int = 3
-    # "kloop": K-loop per column tile; "tma": kloop with weight tiles by tensor descriptor; "tma_gathered": x rows gathered first, both operands by
-    # descriptor (kernels/fused_tma.py). Descriptor variants fall back to "kloop" where TMA is
-    # unavailable (before Hopper, unaligned weights).
+    # "kloop": K-loop per column tile; "tma": kloop with weight tiles by tensor descriptor;
+    # "tma_gathered": x rows gathered first, both operands by descriptor; "wide_tma": a whole
+    # row block per work item, x rows loaded once, [Dh, block_n] weight tiles streamed;
+    # "mlp_tma": as wide_tma with the down projection in the same work item (no activation
+    # buffer; the down_* fields are then unused). All in kernels/fused_tma.py. Descriptor
+    # variants fall back to "kloop" (and the down kernel) where TMA is unavailable (before
+    # Hopper, unaligned weights, a head width not a power of two for the whole-block ones).
     gu_variant: str = "kloop"
     gu_maxnreg: int = 0         # register cap per thread (0: the compiler's choice), for occupancy
-    gu_warp_specialize: bool = False  # descriptor variants: tl.range(warp_specialize=...)
+    gu_warp_specialize: bool = False  # descriptor variants: warp-specialised work-item loop
+    gu_act_store: str = "ptr"   # descriptor variants: "ptr" or "tma" store of the activation
     down_block_n: int = 128
     down_block_k: int = 64
     down_warps: int = 4
@@ -459,17 +479,24 @@ def launch_block_schedule(offsets: torch.Tensor, num_routes: int, num_banks: int
                           workspace: FusedWorkspace, *, counts: torch.Tensor | None = None
                           ) -> BlockSchedule:
     """Build the block schedule from ``offsets`` (or, with ``counts``, write ``offsets`` first
-    from the per-bank route counts). One single-program launch; nothing read back."""
+    from the per-bank route counts). One launch; nothing read back."""
     nb = max_blocks(num_routes, num_banks, block_m)
     block_bank = workspace.get("block_bank", (nb,), torch.int32)
     block_start = workspace.get("block_start", (nb,), torch.int64)
     block_count = workspace.get("block_count", (1,), torch.int32)
     pad = max(16, triton.next_power_of_2(num_banks))
-    block_schedule_kernel[(1,)](
+    # Each program holds a [slots, banks] ownership mask: about 64 elements per thread on a
+    # GPU; the interpreter pays per program, so it takes larger ones.
+    slots = 64 if interpreter_enabled() else max(1, min(64, 16384 // pad))
+    warps = 1 if interpreter_enabled() else 8
+    programs = triton.cdiv(nb, slots)
+    if offsets.device.type == "cuda":
+        programs = persistent_grid(programs, 2, offsets.device)
+    block_schedule_kernel[(programs,)](
         offsets, counts if counts is not None else offsets, block_bank, block_start, block_count,
         num_banks, nb,
-        BLOCK_M=block_m, BANKS_PAD=pad, FROM_COUNTS=counts is not None,
-        num_warps=1 if interpreter_enabled() else min(16, max(4, pad // 256)),
+        BLOCK_M=block_m, BANKS_PAD=pad, SLOTS=slots, FROM_COUNTS=counts is not None,
+        num_warps=warps,
     )
     return BlockSchedule(block_bank, block_start, block_count, block_m)
 
@@ -516,7 +543,15 @@ def _dot_modes() -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"  # tf32 is never used: operands are 16-bit
 
 
-GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered")
+GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered", "wide_tma", "mlp_tma")
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _whole_head_tiles(config: MoEConfig) -> bool:
+    """The whole-block kernels load ``[Dh, BLOCK_N]`` weight tiles in one descriptor box
+    (a power of two, at most 256 per side)."""
+    dh = config.head_dim
+    return dh & (dh - 1) == 0 and 16 <= dh <= 256
 DOWN_VARIANTS = ("ptr", "tma")
 
 
@@ -528,7 +563,12 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
     if tiles.gu_variant not in GATE_UP_VARIANTS:
         raise ValueError(f"FusedTiles.gu_variant must be one of {GATE_UP_VARIANTS}, "
                          f"got {tiles.gu_variant!r}")
-    if tiles.gu_variant.startswith("tma") and _launch_gate_up_tma(
+    if tiles.gu_act_store not in ("ptr", "tma"):
+        raise ValueError(f"FusedTiles.gu_act_store must be 'ptr' or 'tma', got {tiles.gu_act_store!r}")
+    if tiles.gu_variant == "wide_tma" and _launch_gate_up_wide_tma(
+            x, table, weights, config, schedule, act, tiles):
+        return
+    if tiles.gu_variant in ("tma", "tma_gathered") and _launch_gate_up_tma(
             x, table, weights, config, schedule, act, tiles, workspace):
         return
     upcast, precision = _dot_modes()
@@ -565,15 +605,65 @@ def _launch_gate_up_tma(x, table, weights, config, schedule, act, tiles, workspa
         if xg_desc is None:
             return False
         T.launch_gather_rows(x, table, schedule, xg, config)
+    act_desc = T.matrix_descriptor(act, [tiles.block_m, bn]) if tiles.gu_act_store == "tma" else None
     upcast, precision = _dot_modes()
     work = schedule.max_blocks * (config.intermediate_size // bn)
     T.gate_up_tma_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
         x, xg_desc, wg_desc, wu_desc, table.gather_ids, table.offsets,
-        schedule.block_bank, schedule.block_start, schedule.block_count, act,
+        schedule.block_bank, schedule.block_start, schedule.block_count, act, act_desc,
         x.stride(0), act.stride(0), config.num_experts,
         HEAD_DIM=config.head_dim, INTER=config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk, X_GATHERED=gathered,
+        ACT_DESC=act_desc is not None,
         WARP_SPEC=tiles.gu_warp_specialize, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
+    )
+    return True
+
+
+def _launch_gate_up_wide_tma(x, table, weights, config, schedule, act, tiles) -> bool:
+    """Kernel 2 with whole row blocks as work items; False where it cannot run."""
+    if not (T.tma_supported(x.device) and _whole_head_tiles(config)):
+        return False
+    bn, dh = tiles.gu_block_n, config.head_dim
+    wg_desc = T.banked_descriptor(weights.w_gate, [dh, bn])
+    wu_desc = T.banked_descriptor(weights.w_up, [dh, bn])
+    if wg_desc is None or wu_desc is None:
+        return False
+    act_desc = T.matrix_descriptor(act, [tiles.block_m, bn]) if tiles.gu_act_store == "tma" else None
+    upcast, precision = _dot_modes()
+    T.gate_up_wide_tma_kernel[(persistent_grid(schedule.max_blocks, tiles.gu_programs_per_sm, x.device),)](
+        x, wg_desc, wu_desc, table.gather_ids, table.offsets,
+        schedule.block_bank, schedule.block_start, schedule.block_count, act, act_desc,
+        x.stride(0), act.stride(0), config.num_experts,
+        HEAD_DIM=dh, INTER=config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
+        ACT_DESC=act_desc is not None, UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
+    )
+    return True
+
+
+def launch_expert_mlp(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
+                      config: MoEConfig, schedule: BlockSchedule, rows: torch.Tensor,
+                      slot_route: torch.Tensor, tiles: FusedTiles) -> bool:
+    """Kernels 2 and 3 as one (``gu_variant="mlp_tma"``): weighted fp32 rows per route with no
+    activation buffer. False (nothing launched) where it cannot run; the caller then launches
+    the two-kernel path."""
+    if not (T.tma_supported(x.device) and _whole_head_tiles(config)):
+        return False
+    bn, dh = tiles.gu_block_n, config.head_dim
+    wg_desc = T.banked_descriptor(weights.w_gate, [dh, bn])
+    wu_desc = T.banked_descriptor(weights.w_up, [dh, bn])
+    wd_desc = T.banked_descriptor(weights.w_down, [bn, dh])
+    if wg_desc is None or wu_desc is None or wd_desc is None:
+        return False
+    upcast, precision = _dot_modes()
+    T.expert_mlp_tma_kernel[(persistent_grid(schedule.max_blocks, tiles.gu_programs_per_sm, x.device),)](
+        x, wg_desc, wu_desc, wd_desc, table.gather_ids, table.sorted_probs, table.route_slots,
+        table.offsets, schedule.block_bank, schedule.block_start, schedule.block_count,
+        rows, slot_route, x.stride(0), rows.stride(0), config.num_experts,
+        HEAD_DIM=dh, INTER=config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
+        ACT_DTYPE=_TL_DTYPES[weights.w_down.dtype], UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
     )
     return True
@@ -628,6 +718,9 @@ def launch_route_rows(x: torch.Tensor, table: RouteTable, weights: ExpertWeights
     if schedule is None:
         schedule = launch_block_schedule(table.offsets, R, config.num_banks, tiles.block_m,
                                          workspace)
+    if tiles.gu_variant == "mlp_tma" and launch_expert_mlp(x, table, weights, config, schedule,
+                                                           rows, slot_route, tiles):
+        return
     act = workspace.get("act", (schedule.max_blocks * tiles.block_m, config.intermediate_size),
                         weights.w_down.dtype)
     launch_gate_up(x, table, weights, config, schedule, act, tiles, workspace)

@@ -10,7 +10,8 @@ item on loads, which is what these variants attack (NOTES-perf.md, version 4).
 * ``gate_up_tma_kernel``: weight tiles by descriptor. With ``X_GATHERED`` the block's ``x``
   rows come from a buffer that ``gather_rows_kernel`` filled in padded-block order, so both
   operands are descriptor loads (the form Triton's warp specialisation needs); otherwise they
-  are gathered by pointer loads as in the plain kernel.
+  are gathered by pointer loads as in the plain kernel. With ``ACT_DESC`` the activation tile
+  leaves by a descriptor store too.
 * ``down_tma_kernel``: the activation rows and the ``W_down`` tiles by descriptor.
 
 Descriptors view the weights as 2-D ``[banks * rows_per_bank, cols]`` through their strides,
@@ -25,7 +26,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..backends import interpreter_enabled
-from .blocks import block_rows, store_activation, store_weighted_rows
+from .blocks import activation, block_rows, block_x_rows, store_activation, store_weighted_rows
+from .rounding import round_operand, swiglu7
 
 
 @triton.jit
@@ -66,6 +68,7 @@ def gate_up_tma_kernel(
     wu_desc,          # [H*E*Dh, I] up weights
     gather_ptr, offsets_ptr, block_bank_ptr, block_start_ptr, block_count_ptr,
     act_ptr,          # [max_blocks*BLOCK_M, I] out
+    act_desc,         # the same buffer by descriptor (written through it when ACT_DESC)
     stride_x,
     stride_act,
     num_experts,
@@ -75,13 +78,17 @@ def gate_up_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     X_GATHERED: tl.constexpr,
+    ACT_DESC: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     num_n: tl.constexpr = INTER // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+    # WARP_SPEC asks Triton to split the work-item loop into load and MMA/epilogue warps, so
+    # one item's epilogue overlaps the next item's loads (on the K loop alone it gave wrong
+    # outputs with Triton 3.6: NOTES-perf.md, version 4).
+    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), warp_specialize=WARP_SPEC):
         block = item // num_n
         n0 = (item % num_n) * BLOCK_N
         bank = tl.load(block_bank_ptr + block)
@@ -93,7 +100,7 @@ def gate_up_tma_kernel(
             x_ptrs = x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + tl.arange(0, BLOCK_K)[None, :]
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in tl.range(0, HEAD_DIM // BLOCK_K, warp_specialize=WARP_SPEC):
+        for kk in range(0, HEAD_DIM // BLOCK_K):
             k0 = kk * BLOCK_K
             if X_GATHERED:
                 a = xg_desc.load([block * BLOCK_M, k0])
@@ -108,8 +115,12 @@ def gate_up_tma_kernel(
             acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
 
-        store_activation(acc_g, acc_u, block, n0 + tl.arange(0, BLOCK_N), act_ptr, stride_act,
-                         BLOCK_M, UPCAST)
+        if ACT_DESC:  # a bulk store from shared memory; padded rows belong to this block alone
+            act_desc.store([block * BLOCK_M, n0],
+                           activation(acc_g, acc_u, act_ptr.dtype.element_ty, UPCAST))
+        else:
+            store_activation(acc_g, acc_u, block, n0 + tl.arange(0, BLOCK_N), act_ptr,
+                             stride_act, BLOCK_M, UPCAST)
 
 
 @triton.jit
@@ -131,13 +142,13 @@ def down_tma_kernel(
 ):
     num_n: tl.constexpr = HEAD_DIM // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), warp_specialize=WARP_SPEC):
         block = item // num_n
         n0 = (item % num_n) * BLOCK_N
         bank = tl.load(block_bank_ptr + block)
         w_row = bank * INTER
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in tl.range(0, INTER // BLOCK_K, warp_specialize=WARP_SPEC):
+        for kk in range(0, INTER // BLOCK_K):
             k0 = kk * BLOCK_K
             a = act_desc.load([block * BLOCK_M, k0])
             w = wd_desc.load([w_row + k0, n0])
@@ -149,6 +160,101 @@ def down_tma_kernel(
         rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
         store_weighted_rows(acc, rows, row_mask, n0 + tl.arange(0, BLOCK_N), probs_ptr,
                             slots_ptr, rows_ptr, slot_route_ptr, stride_rows)
+
+
+@triton.jit
+def gate_up_wide_tma_kernel(
+    x_ptr,            # [S, H*Dh] input
+    wg_desc,          # [H*E*Dh, I] gate weights, blocks [Dh, BLOCK_N]
+    wu_desc,          # [H*E*Dh, I] up weights
+    gather_ptr, offsets_ptr, block_bank_ptr, block_start_ptr, block_count_ptr,
+    act_ptr,          # [max_blocks*BLOCK_M, I] out
+    act_desc,         # the same buffer by descriptor (written through it when ACT_DESC)
+    stride_x,
+    stride_act,
+    num_experts,
+    HEAD_DIM: tl.constexpr,   # a power of two: the whole reduction is one dot
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACT_DESC: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """A work item is a whole row block: its ``x`` rows are gathered once (no gather pass, no
+    re-reads per column tile) and the pipelined loop streams ``[Dh, BLOCK_N]`` weight tiles."""
+    for block in range(tl.program_id(0), tl.load(block_count_ptr), tl.num_programs(0)):
+        bank = tl.load(block_bank_ptr + block)
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
+        x_tile = block_x_rows(x_ptr, gather_ptr, rows, row_mask, bank.to(tl.int64) // num_experts,
+                              stride_x, HEAD_DIM)
+        if UPCAST:
+            x_tile = x_tile.to(tl.float32)
+        w_row = bank * HEAD_DIM
+        for j in range(0, INTER // BLOCK_N):
+            n0 = j * BLOCK_N
+            wg = wg_desc.load([w_row, n0])
+            wu = wu_desc.load([w_row, n0])
+            if UPCAST:
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
+            u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
+            if ACT_DESC:
+                act_desc.store([block * BLOCK_M, n0], activation(g, u, act_ptr.dtype.element_ty, UPCAST))
+            else:
+                store_activation(g, u, block, n0 + tl.arange(0, BLOCK_N), act_ptr, stride_act,
+                                 BLOCK_M, UPCAST)
+
+
+@triton.jit
+def expert_mlp_tma_kernel(
+    x_ptr,            # [S, H*Dh] input
+    wg_desc,          # [H*E*Dh, I] gate weights, blocks [Dh, BLOCK_N]
+    wu_desc,          # [H*E*Dh, I] up weights
+    wd_desc,          # [H*E*I, Dh] down weights, blocks [BLOCK_N, Dh]
+    gather_ptr, probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
+    block_count_ptr,
+    rows_ptr,         # [R, Dh] fp32 out: p * expert(x) per route, CSR order
+    slot_route_ptr,   # [S*H*K] int32 out
+    stride_x,
+    stride_rows,
+    num_experts,
+    HEAD_DIM: tl.constexpr,   # a power of two
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ACT_DTYPE: tl.constexpr,  # the activation's rounding point (the weights' dtype)
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Gate/up, SwiGLU7 and the down projection of a whole row block in one work item: each
+    ``BLOCK_N``-wide slice of the activation is rounded to ``ACT_DTYPE`` (the same precision
+    point as the two-kernel path) and multiplied into the fp32 ``[BLOCK_M, Dh]`` output
+    accumulator straight from registers, so the activation never goes to memory."""
+    for block in range(tl.program_id(0), tl.load(block_count_ptr), tl.num_programs(0)):
+        bank = tl.load(block_bank_ptr + block)
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
+        x_tile = block_x_rows(x_ptr, gather_ptr, rows, row_mask, bank.to(tl.int64) // num_experts,
+                              stride_x, HEAD_DIM)
+        if UPCAST:
+            x_tile = x_tile.to(tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        for j in range(0, INTER // BLOCK_N):
+            n0 = j * BLOCK_N
+            wg = wg_desc.load([bank * HEAD_DIM, n0])
+            wu = wu_desc.load([bank * HEAD_DIM, n0])
+            wd = wd_desc.load([bank * INTER + n0, 0])
+            if UPCAST:
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+                wd = wd.to(tl.float32)
+            g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
+            u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
+            a = round_operand(swiglu7(g, u), ACT_DTYPE, UPCAST)
+            acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
+        store_weighted_rows(acc, rows, row_mask, tl.arange(0, HEAD_DIM), probs_ptr, slots_ptr,
+                            rows_ptr, slot_route_ptr, stride_rows)
 
 
 # ---------------------------------------------------------------------------------------------
