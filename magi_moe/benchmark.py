@@ -298,10 +298,8 @@ GATE_UP_CANDIDATES = tuple(c for group in (
     _gu("tma_gathered", 64, 128, 32, 8, 5, (2,)),  # two warpgroups share the epilogue
     _gu("tma_gathered", 64, 64, 32, 4, 5, (3, 4)), _gu("tma_gathered", 64, 64, 64, 4, 3, (3, 4)),
     _gu("tma_gathered", 128, 128, 32, 8, 4, (1,)),
-    # warp-specialised work-item loop (load warps feed the next item during an epilogue)
-    _gu("tma_gathered", 64, 128, 32, 4, 4, (1, 2), ws=True),
-    _gu("tma_gathered", 64, 128, 32, 4, 3, (2,), ws=True, act="tma"),
-    _gu("tma_gathered", 128, 128, 32, 8, 4, (1,), ws=True),
+    # A warp-specialised work-item loop (gu_warp_specialize) gave wrong outputs on Triton 3.6
+    # at BM=64 and was not applied at BM=128 (session 3): no candidates until a Triton fixes it.
 ) for c in group)
 # Whole-block gate/up (x rows loaded once per block; no gather pass): "wide_tma".
 WIDE_CANDIDATES = tuple(
@@ -318,8 +316,6 @@ MLP_CANDIDATES = tuple(c for group in (
 DOWN_CANDIDATES = tuple(c for group in (
     _dn(64, 128, 64, 4, 4, (2,)), _dn(128, 256, 64, 8, 3, (1,)),
     _dn(64, 128, 64, 4, 4, (2,), variant="tma"), _dn(128, 256, 64, 8, 3, (1,), variant="tma"),
-    _dn(64, 128, 64, 4, 4, (1, 2), variant="tma", ws=True),
-    _dn(128, 256, 64, 8, 3, (1,), variant="tma", ws=True),
 ) for c in group)
 SUM_CANDIDATES = ((8, 4), (16, 4), (32, 4), (32, 8))
 ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
