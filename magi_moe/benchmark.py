@@ -309,9 +309,11 @@ WIDE_CANDIDATES = tuple(
 GATE_UP_CANDIDATES = GATE_UP_CANDIDATES + tuple(WIDE_CANDIDATES)
 # Gate/up and down in one work item ("mlp_tma"): timed against the best gate/up + down pair.
 MLP_CANDIDATES = tuple(c for group in (
-    _gu("mlp_tma", 64, 64, 256, 8, 2, (1,)), _gu("mlp_tma", 64, 32, 256, 8, 3, (1,)),
-    _gu("mlp_tma", 64, 32, 256, 8, 4, (1,)), _gu("mlp_tma", 64, 32, 256, 4, 3, (1,)),
-    _gu("mlp_tma", 64, 64, 256, 4, 2, (1,)),
+    _gu("mlp_tma", 64, 32, 256, 4, 3, (1,)), _gu("mlp_tma", 64, 32, 256, 4, 4, (1,)),
+    _gu("mlp_tma", 64, 16, 256, 4, 4, (1,)),
+    # two warpgroups, one per 64 rows: the activation stays in the warpgroup that made it
+    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,)),
+    _gu("mlp_tma", 128, 16, 256, 8, 4, (1,)),
 ) for c in group)
 DOWN_CANDIDATES = tuple(c for group in (
     _dn(64, 128, 64, 4, 4, (2,)), _dn(128, 256, 64, 8, 3, (1,)),

@@ -218,6 +218,8 @@ def down_kernel(
         block = item // num_n
         n_block = item % num_n
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
+        # The rows are needed only after the K loop; loading them first hides the latency.
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
         padded = block.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         k = tl.arange(0, BLOCK_K)
         n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -234,7 +236,6 @@ def down_kernel(
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wd_k
 
-        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
         store_weighted_rows(acc, rows, row_mask, n, probs_ptr, slots_ptr, rows_ptr,
                             slot_route_ptr, stride_rows)
 

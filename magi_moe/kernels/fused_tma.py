@@ -147,6 +147,7 @@ def down_tma_kernel(
         n0 = (item % num_n) * BLOCK_N
         bank = tl.load(block_bank_ptr + block)
         w_row = bank * INTER
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kk in range(0, INTER // BLOCK_K):
             k0 = kk * BLOCK_K
@@ -157,7 +158,6 @@ def down_tma_kernel(
                 w = w.to(tl.float32)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
 
-        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
         store_weighted_rows(acc, rows, row_mask, n0 + tl.arange(0, BLOCK_N), probs_ptr,
                             slots_ptr, rows_ptr, slot_route_ptr, stride_rows)
 
