@@ -246,9 +246,11 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
         assert_close_to_oracle(got, problem)
 
 
-def test_descriptor_variants_fall_back_on_unaligned_weights(device, descriptor_launches):
+@pytest.mark.parametrize("gu_variant", ["tma", "mlp_tma"])
+def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant,
+                                                            descriptor_launches):
     """A weight whose base is not 16-byte aligned cannot be a TMA source: the pointer kernels
-    run instead, with the same result."""
+    run instead, with the same result (for a one-kernel entry, with its fallback tiles)."""
     fused = F()
     problem = random_problem(preset("small"), 29, seed=22, device=device)
     w = problem.weights
@@ -261,7 +263,13 @@ def test_descriptor_variants_fall_back_on_unaligned_weights(device, descriptor_l
     weights = ExpertWeights(odd_gate, w.w_up, odd)
     base = fused.INTERPRETER_TILES if device.type == "cpu" else fused.PORTABLE_TILES
     pointer = base.fitted(problem.config)
-    descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": "tma", "down_variant": "tma"})
+    if gu_variant == "mlp_tma":  # shaped like the H200 table's one-kernel entries
+        descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": "mlp_tma", "block_m": 128,
+                                         "gu_block_n": 32, "gu_block_k": 256, "gu_warps": 8})
+        pointer = fused.two_kernel_tiles(descriptor, problem.config)
+        assert pointer.gu_variant == "kloop" and pointer.block_m == 128
+    else:
+        descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": "tma", "down_variant": "tma"})
     got = _forward_with(problem, descriptor, weights)
     assert descriptor_launches == []
     assert torch.equal(got, _forward_with(problem, pointer, weights))

@@ -45,7 +45,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -335,6 +335,18 @@ PORTABLE_TILES = FusedTiles(block_m=64, gu_block_n=64, gu_block_k=64, gu_warps=4
                             down_block_n=128, down_block_k=32, down_warps=4, down_stages=2)
 
 
+def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
+    """Tiles for the gate/up and down kernels where a one-kernel ("mlp_tma") entry cannot run
+    (no TMA, unaligned weights, a head width not a power of two): the portable tiles at the
+    entry's ``block_m``, so a block schedule already built for it still fits. A one-kernel
+    entry's own gu_* fields size a whole-head reduction and would not fit a K loop's stages."""
+    if tiles.gu_variant != "mlp_tma":
+        return tiles
+    warps = 8 if tiles.block_m >= 128 else 4
+    return replace(PORTABLE_TILES, block_m=tiles.block_m, gu_warps=warps, down_warps=warps,
+                   sum_block_t=tiles.sum_block_t, sum_warps=tiles.sum_warps).fitted(config)
+
+
 @lru_cache(maxsize=None)
 def load_device_entry(device_name: str, path: Path | None = None) -> dict | None:
     """This GPU's entry of ``tiles/fused.json`` (written by ``magi_moe.benchmark --sweep``), or
@@ -564,6 +576,7 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
     if tiles.gu_variant not in GATE_UP_VARIANTS:
         raise ValueError(f"FusedTiles.gu_variant must be one of {GATE_UP_VARIANTS}, "
                          f"got {tiles.gu_variant!r}")
+    tiles = two_kernel_tiles(tiles, config)  # "mlp_tma" tiles: its fallback's gate/up
     if tiles.gu_act_store not in ("ptr", "tma"):
         raise ValueError(f"FusedTiles.gu_act_store must be 'ptr' or 'tma', got {tiles.gu_act_store!r}")
     if tiles.gu_variant == "wide_tma" and _launch_gate_up_wide_tma(
@@ -677,6 +690,7 @@ def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,
     if tiles.down_variant not in DOWN_VARIANTS:
         raise ValueError(f"FusedTiles.down_variant must be one of {DOWN_VARIANTS}, "
                          f"got {tiles.down_variant!r}")
+    tiles = two_kernel_tiles(tiles, config)
     upcast, precision = _dot_modes()
     wd = weights.w_down
     Dh = config.head_dim
@@ -719,9 +733,10 @@ def launch_route_rows(x: torch.Tensor, table: RouteTable, weights: ExpertWeights
     if schedule is None:
         schedule = launch_block_schedule(table.offsets, R, config.num_banks, tiles.block_m,
                                          workspace)
-    if tiles.gu_variant == "mlp_tma" and launch_expert_mlp(x, table, weights, config, schedule,
-                                                           rows, slot_route, tiles):
-        return
+    if tiles.gu_variant == "mlp_tma":
+        if launch_expert_mlp(x, table, weights, config, schedule, rows, slot_route, tiles):
+            return
+        tiles = two_kernel_tiles(tiles, config)
     act = workspace.get("act", (schedule.max_blocks * tiles.block_m, config.intermediate_size),
                         weights.w_down.dtype)
     launch_gate_up(x, table, weights, config, schedule, act, tiles, workspace)
