@@ -275,6 +275,19 @@ def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant,
     assert torch.equal(got, _forward_with(problem, pointer, weights))
 
 
+@pytest.mark.parametrize("inter", [32, 64])
+def test_one_kernel_tiles_on_a_single_activation_slice(device, inter):
+    """I = gu_block_n leaves the one-kernel loop a single trip; on the H200 Triton 3.6 then asked
+    353 KiB of shared memory (found by the int64 test), so the launcher checks the compiled
+    kernel and falls back: either way the result must be right, never OutOfResources."""
+    fused = F()
+    cfg = MoEConfig(num_heads=2, head_dim=256, num_experts=4, top_k=2, intermediate_size=inter)
+    problem = random_problem(cfg, 24, seed=inter, device=device)
+    tiles = fused.FusedTiles(gu_variant="mlp_tma", block_m=128, gu_block_n=32, gu_block_k=256,
+                             gu_warps=8, gu_stages=3).fitted(cfg)
+    assert_close_to_oracle(_forward_with(problem, tiles), problem)
+
+
 def test_fp16(device):
     problem = random_problem(preset("tiny").replace(dtype=torch.float16), 50, seed=13, device=device)
     assert_close_to_oracle(poisoned_forward(problem), problem)

@@ -62,6 +62,7 @@ from ..validation import check_tensor
 from ..weights import ExpertWeights
 from . import fused_tma as T
 from .blocks import block_rows, store_activation, store_weighted_rows
+from .native import shared_memory_limit
 from .rounding import round_to
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -672,15 +673,35 @@ def launch_expert_mlp(x: torch.Tensor, table: RouteTable, weights: ExpertWeights
     if wg_desc is None or wu_desc is None or wd_desc is None:
         return False
     upcast, precision = _dot_modes()
-    T.expert_mlp_tma_kernel[(persistent_grid(schedule.max_blocks, tiles.gu_programs_per_sm, x.device),)](
-        x, wg_desc, wu_desc, wd_desc, table.gather_ids, table.sorted_probs, table.route_slots,
-        table.offsets, schedule.block_bank, schedule.block_start, schedule.block_count,
-        rows, slot_route, x.stride(0), rows.stride(0), config.num_experts,
-        HEAD_DIM=dh, INTER=config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
-        ACT_DTYPE=_TL_DTYPES[weights.w_down.dtype], UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
-    )
+    grid = (persistent_grid(schedule.max_blocks, tiles.gu_programs_per_sm, x.device),)
+    args = (x, wg_desc, wu_desc, wd_desc, table.gather_ids, table.sorted_probs, table.route_slots,
+            table.offsets, schedule.block_bank, schedule.block_start, schedule.block_count,
+            rows, slot_route, x.stride(0), rows.stride(0), config.num_experts)
+    meta = dict(HEAD_DIM=dh, INTER=config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
+                ACT_DTYPE=_TL_DTYPES[weights.w_down.dtype], UPCAST=upcast,
+                DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
+                **_register_cap(tiles.gu_maxnreg))
+    key = (x.device, x.dtype, dh, config.intermediate_size, tiles)
+    if x.device.type == "cuda" and not _fits_shared_memory(T.expert_mlp_tma_kernel, key, grid,
+                                                           args, meta):
+        return False
+    T.expert_mlp_tma_kernel[grid](*args, **meta)
     return True
+
+
+_FITS: dict[tuple, bool] = {}
+
+
+def _fits_shared_memory(kernel, key: tuple, grid, args, meta: dict) -> bool:
+    """Whether ``kernel`` compiled for this launch fits the GPU's shared memory. Its footprint
+    depends on the shapes as well as the tiles (with a single activation slice, I = BLOCK_N,
+    Triton 3.6 asked 353 KiB for tiles that take 208 KiB at I = 1280), so it is read from the
+    compiled kernel, once per ``key`` = (device, dtype, shapes, tiles), instead of estimated."""
+    fits = _FITS.get(key)
+    if fits is None:
+        compiled = kernel.warmup(*args, grid=grid, **meta)
+        fits = _FITS[key] = compiled.metadata.shared <= shared_memory_limit(key[0])
+    return fits
 
 
 def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,

@@ -144,7 +144,8 @@ def shared_memory_estimate(tiles: NativeTiles, config: MoEConfig, itemsize: int)
 
 
 @lru_cache(maxsize=None)
-def _shared_memory_limit(device: torch.device) -> int:
+def shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory one program may use on this GPU (the opt-in maximum)."""
     props = torch.cuda.get_device_properties(device)
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
 
@@ -177,7 +178,7 @@ def choose_tiles(config: MoEConfig, device: torch.device,
     wide = triton.next_power_of_2(config.head_dim) >= 256
     tiles = NativeTiles(block_m=64, block_n=32 if wide else 64, num_warps=8 if wide else 4,
                         num_stages=2)
-    limit = _shared_memory_limit(torch.device("cuda", device.index if device.index is not None
+    limit = shared_memory_limit(torch.device("cuda", device.index if device.index is not None
                                               else torch.cuda.current_device()))
     return fit_shared_memory(tiles, config, dtype.itemsize, limit)
 
