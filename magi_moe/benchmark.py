@@ -271,20 +271,19 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
 # tile sweep
 # ---------------------------------------------------------------------------------------------
 # Gate/up candidates as FusedTiles fields, each with the programs per SM to try: "kloop" loops
-# over Dh per column tile, "tma"/"tma_gathered" load tiles by tensor descriptor
-# (kernels/fused_tma.py), "ws" asks Triton to warp-specialise the K loop. Versions 1-3
-# (NOTES-perf.md) also tried flattened loops, a "wide" kernel that loaded a block's x rows once,
-# BK=16, 64x256 tiles and register caps: slower everywhere, dropped (the wide kernel with them).
-def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), ws=False, act="ptr"):
+# over Dh per column tile, "tma_gathered" loads tiles by tensor descriptor (kernels/fused_tma.py).
+# Earlier versions (NOTES-perf.md) also tried flattened loops, "wide" kernels that loaded a
+# block's x rows once (pointer and descriptor forms), BK=16, 64x256 tiles, register caps and
+# Triton's warp specialisation (wrong outputs on Triton 3.6): slower or wrong, dropped.
+def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr"):
     tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_block_k=bk, gu_warps=warps,
-                 gu_stages=stages, gu_warp_specialize=ws, gu_act_store=act)
+                 gu_stages=stages, gu_act_store=act)
     return [{**tiles, "gu_programs_per_sm": p} for p in ppsm]
 
 
-def _dn(bm, bn, bk, warps, stages, ppsm=(1, 2), variant="ptr", ws=False):
+def _dn(bm, bn, bk, warps, stages, ppsm=(1, 2), variant="ptr"):
     return [dict(block_m=bm, down_block_n=bn, down_block_k=bk, down_warps=warps,
-                 down_stages=stages, down_programs_per_sm=p, down_variant=variant,
-                 down_warp_specialize=ws) for p in ppsm]
+                 down_stages=stages, down_programs_per_sm=p, down_variant=variant) for p in ppsm]
 
 
 GATE_UP_CANDIDATES = tuple(c for group in (
@@ -298,15 +297,7 @@ GATE_UP_CANDIDATES = tuple(c for group in (
     _gu("tma_gathered", 64, 128, 32, 8, 5, (2,)),  # two warpgroups share the epilogue
     _gu("tma_gathered", 64, 64, 32, 4, 5, (3, 4)), _gu("tma_gathered", 64, 64, 64, 4, 3, (3, 4)),
     _gu("tma_gathered", 128, 128, 32, 8, 4, (1,)),
-    # A warp-specialised work-item loop (gu_warp_specialize) gave wrong outputs on Triton 3.6
-    # at BM=64 and was not applied at BM=128 (session 3): no candidates until a Triton fixes it.
 ) for c in group)
-# Whole-block gate/up (x rows loaded once per block; no gather pass): "wide_tma".
-WIDE_CANDIDATES = tuple(
-    _gu("wide_tma", 64, 64, 256, 4, 2, (1,), act="tma") + _gu("wide_tma", 64, 64, 256, 8, 2, (1,), act="tma")
-    + _gu("wide_tma", 64, 32, 256, 4, 4, (1,), act="tma") + _gu("wide_tma", 64, 32, 256, 4, 2, (2,), act="tma")
-)
-GATE_UP_CANDIDATES = GATE_UP_CANDIDATES + tuple(WIDE_CANDIDATES)
 # Gate/up and down in one work item ("mlp_tma"): timed against the best gate/up + down pair.
 MLP_CANDIDATES = tuple(c for group in (
     _gu("mlp_tma", 64, 32, 256, 4, 3, (1,)), _gu("mlp_tma", 64, 32, 256, 4, 4, (1,)),

@@ -53,7 +53,7 @@ KERNELS = {  # module -> kernel names launched through module attributes
     "magi_moe.kernels.fused": ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
                                "topk_sum_kernel"),
     "magi_moe.kernels.fused_tma": ("gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel",
-                                   "gate_up_wide_tma_kernel", "expert_mlp_tma_kernel"),
+                                   "expert_mlp_tma_kernel"),
     "magi_moe.kernels.fused_routing": ("router_topk_kernel", "bank_prefix_kernel",
                                        "place_routes_kernel"),
     "magi_moe.kernels.native": ("native_expert_kernel",),
@@ -112,15 +112,12 @@ def main() -> int:
         for tiles in sorted(classes, key=repr):       # the H200 tile table, every class,
             expert_launches(tiles)
             expert_launches(F.two_kernel_tiles(tiles, cfg))  # and its no-TMA fallback
-        # the other descriptor variants the sweep may table (session 2's S=16384 entry, and the
-        # whole-block gate/up)
+        # the two-kernel descriptor variants the sweep may table (session 2's S=16384 entry)
         previous = F.FusedTiles(gu_variant="tma_gathered", block_m=64, gu_block_n=128,
                                 gu_block_k=32, gu_stages=4, gu_act_store="tma",
                                 down_variant="tma", down_block_n=128, down_block_k=64,
                                 down_stages=4)
         expert_launches(previous.fitted(cfg))
-        expert_launches(replace(previous, gu_variant="wide_tma", gu_block_n=32, gu_block_k=256,
-                                gu_stages=2).fitted(cfg))
         fused_route(problem.x, problem.gate, problem.bias, cfg, block_m=64,
                     workspace=F.FusedWorkspace("cpu"), tiles=routing)
         native_start = NativeTiles(block_m=64, block_n=32, num_warps=8, num_stages=2)

@@ -19,7 +19,7 @@ from tests.aot_compile import SHARED_LIMIT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT_GEMMS = {"gate_up_kernel", "gate_up_tma_kernel", "down_kernel", "down_tma_kernel",
-                "gate_up_wide_tma_kernel", "expert_mlp_tma_kernel"}
+                "expert_mlp_tma_kernel"}
 
 
 @pytest.fixture(scope="module")

@@ -159,11 +159,8 @@ def test_packed_and_plain_weights_give_the_same_bits(device):
          down_variant="tma", down_block_k=16),
     dict(gu_variant="tma_gathered", gu_act_store="tma", gu_block_n=32, gu_block_k=16,
          down_variant="tma", down_block_k=16),
-    dict(gu_variant="wide_tma", gu_block_n=32, gu_act_store="tma", down_variant="tma",
-         down_block_k=16),
     dict(gu_variant="mlp_tma", gu_block_n=16),
-], ids=["kloop-small-tiles", "tma", "tma-gathered", "tma-gathered-act-store", "wide-tma",
-        "mlp-tma"])
+], ids=["kloop-small-tiles", "tma", "tma-gathered", "tma-gathered-act-store", "mlp-tma"])
 @pytest.mark.parametrize("head_dim", [32, 48])  # 48: the gather pass masks its padded width
 def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     fused = F()
@@ -197,7 +194,7 @@ def descriptor_launches(monkeypatch) -> list:
     from magi_moe.kernels import fused_tma
     log: list = []
     for name in ("gate_up_tma_kernel", "down_tma_kernel", "gather_rows_kernel",
-                 "gate_up_wide_tma_kernel", "expert_mlp_tma_kernel"):
+                 "expert_mlp_tma_kernel"):
         monkeypatch.setattr(fused_tma, name, RecordingKernel(getattr(fused_tma, name), name, log))
     return log
 
@@ -214,8 +211,7 @@ def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None)
 
 
 @pytest.mark.parametrize("gu_variant,act_store", [("tma", "ptr"), ("tma_gathered", "ptr"),
-                                                  ("tma_gathered", "tma"), ("wide_tma", "ptr"),
-                                                  ("wide_tma", "tma"), ("mlp_tma", "ptr")])
+                                                  ("tma_gathered", "tma"), ("mlp_tma", "ptr")])
 def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant, act_store,
                                                                     descriptor_launches):
     """The descriptor kernels are really launched (no silent fallback) and compute what the
@@ -228,9 +224,9 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
         pytest.skip("tensor descriptors need Hopper or later")
     problem = random_problem(preset("small"), 45, seed=21, device=device)
     base = fused.INTERPRETER_TILES if device.type == "cpu" else fused.PORTABLE_TILES
-    # The whole-block variants reduce over all of Dh in one dot, and mlp_tma over I in steps of
-    # gu_block_n: the pointer kernels take the same steps, so the interpreter's sums match.
-    whole = gu_variant in ("wide_tma", "mlp_tma")
+    # mlp_tma reduces over all of Dh in one dot and over I in steps of gu_block_n: the pointer
+    # kernels take the same steps, so the interpreter's sums match.
+    whole = gu_variant == "mlp_tma"
     pointer = fused.FusedTiles(**{**vars(base), "gu_block_k": 256 if whole else 32,
                                   "gu_block_n": 32, "down_block_k": 32}).fitted(problem.config)
     descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": gu_variant,
@@ -240,7 +236,6 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
     got = _forward_with(problem, descriptor)
     expected = {"tma": ["gate_up_tma_kernel", "down_tma_kernel"],
                 "tma_gathered": ["gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel"],
-                "wide_tma": ["gate_up_wide_tma_kernel", "down_tma_kernel"],
                 "mlp_tma": ["expert_mlp_tma_kernel"]}[gu_variant]
     assert descriptor_launches == expected
     if device.type == "cpu":

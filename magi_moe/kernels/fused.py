@@ -19,7 +19,12 @@ Four launches, none of them sized by a count read back to the host:
 4. ``topk_sum_kernel``: ``y[s, h] = sum_k row(s, h, k)`` in fp32, ``k = 0 .. K-1`` in that order,
    rounded once to the output dtype. Slots without a route (hand-built tables) add nothing.
 
-The two GEMM kernels are persistent: the host launches enough programs to fill the GPU, and
+On Hopper the tile table replaces launches 2 and 3 by one, ``expert_mlp_tma_kernel``
+(:mod:`.fused_tma`, ``gu_variant="mlp_tma"``): the same maths, the activation rounded to bf16
+at the same point but kept in registers. Where it cannot run (no TMA, unaligned weights, a head
+width not a power of two, more shared memory than the GPU has) the two kernels run instead.
+
+The GEMM kernels are persistent: the host launches enough programs to fill the GPU, and
 each loops over work items ``program_id, program_id + num_programs, ...`` below the live
 count read from device memory. A grid of the upper bound would have launched up to
 ``min(H*E, R) * tiles`` programs with nothing to do, each holding a multiprocessor's shared
@@ -286,22 +291,20 @@ class FusedTiles:
     gu_warps: int = 4
     gu_stages: int = 3
     # "kloop": K-loop per column tile; "tma": kloop with weight tiles by tensor descriptor;
-    # "tma_gathered": x rows gathered first, both operands by descriptor; "wide_tma": a whole
-    # row block per work item, x rows loaded once, [Dh, block_n] weight tiles streamed;
-    # "mlp_tma": as wide_tma with the down projection in the same work item (no activation
-    # buffer; the down_* fields are then unused). All in kernels/fused_tma.py. Descriptor
+    # "tma_gathered": x rows gathered first, both operands by descriptor; "mlp_tma": gate/up
+    # and the down projection of a whole row block in one work item, x rows loaded once,
+    # [Dh, gu_block_n] weight tiles streamed, no activation buffer (the down_* fields are then
+    # unused; gu_block_k is the whole Dh). All in kernels/fused_tma.py. Descriptor
     # variants fall back to "kloop" (and the down kernel) where TMA is unavailable (before
     # Hopper, unaligned weights, a head width not a power of two for the whole-block ones).
     gu_variant: str = "kloop"
     gu_maxnreg: int = 0         # register cap per thread (0: the compiler's choice), for occupancy
-    gu_warp_specialize: bool = False  # descriptor variants: warp-specialised work-item loop
     gu_act_store: str = "ptr"   # descriptor variants: "ptr" or "tma" store of the activation
     down_block_n: int = 128
     down_block_k: int = 64
     down_warps: int = 4
     down_stages: int = 3
     down_variant: str = "ptr"   # "ptr": pointer loads; "tma": both operands by descriptor
-    down_warp_specialize: bool = False
     sum_block_t: int = 16
     sum_warps: int = 4
     # Persistent grids: programs per multiprocessor (the occupancy the tiles allow).
@@ -557,7 +560,7 @@ def _dot_modes() -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"  # tf32 is never used: operands are 16-bit
 
 
-GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered", "wide_tma", "mlp_tma")
+GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered", "mlp_tma")
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -580,9 +583,6 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
     tiles = two_kernel_tiles(tiles, config)  # "mlp_tma" tiles: its fallback's gate/up
     if tiles.gu_act_store not in ("ptr", "tma"):
         raise ValueError(f"FusedTiles.gu_act_store must be 'ptr' or 'tma', got {tiles.gu_act_store!r}")
-    if tiles.gu_variant == "wide_tma" and _launch_gate_up_wide_tma(
-            x, table, weights, config, schedule, act, tiles):
-        return
     if tiles.gu_variant in ("tma", "tma_gathered") and _launch_gate_up_tma(
             x, table, weights, config, schedule, act, tiles, workspace):
         return
@@ -630,29 +630,7 @@ def _launch_gate_up_tma(x, table, weights, config, schedule, act, tiles, workspa
         HEAD_DIM=config.head_dim, INTER=config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk, X_GATHERED=gathered,
         ACT_DESC=act_desc is not None,
-        WARP_SPEC=tiles.gu_warp_specialize, UPCAST=upcast, DOT_PRECISION=precision,
-        num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
-    )
-    return True
-
-
-def _launch_gate_up_wide_tma(x, table, weights, config, schedule, act, tiles) -> bool:
-    """Kernel 2 with whole row blocks as work items; False where it cannot run."""
-    if not (T.tma_supported(x.device) and _whole_head_tiles(config)):
-        return False
-    bn, dh = tiles.gu_block_n, config.head_dim
-    wg_desc = T.banked_descriptor(weights.w_gate, [dh, bn])
-    wu_desc = T.banked_descriptor(weights.w_up, [dh, bn])
-    if wg_desc is None or wu_desc is None:
-        return False
-    act_desc = T.matrix_descriptor(act, [tiles.block_m, bn]) if tiles.gu_act_store == "tma" else None
-    upcast, precision = _dot_modes()
-    T.gate_up_wide_tma_kernel[(persistent_grid(schedule.max_blocks, tiles.gu_programs_per_sm, x.device),)](
-        x, wg_desc, wu_desc, table.gather_ids, table.offsets,
-        schedule.block_bank, schedule.block_start, schedule.block_count, act, act_desc,
-        x.stride(0), act.stride(0), config.num_experts,
-        HEAD_DIM=dh, INTER=config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
-        ACT_DESC=act_desc is not None, UPCAST=upcast, DOT_PRECISION=precision,
+        UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
     )
     return True
@@ -726,7 +704,7 @@ def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,
                 slot_route, rows.stride(0),
                 HEAD_DIM=Dh, INTER=config.intermediate_size,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
-                WARP_SPEC=tiles.down_warp_specialize, UPCAST=upcast, DOT_PRECISION=precision,
+                UPCAST=upcast, DOT_PRECISION=precision,
                 num_warps=tiles.down_warps, num_stages=tiles.down_stages,
             )
             return

@@ -1,22 +1,24 @@
-"""Tensor-descriptor (TMA) variants of the fused path's two GEMM kernels, for Hopper and later.
+"""Tensor-descriptor (TMA) kernels of the fused path, for Hopper and later.
 
-Same work items, same fp32 accumulation order and the same outputs as ``gate_up_kernel`` and
-``down_kernel`` in :mod:`magi_moe.kernels.fused`; the difference is how tiles reach shared
-memory. A tensor descriptor load is one bulk copy issued by one thread (the copy engine does
-the address arithmetic), where a pointer load costs every thread address registers and issue
-slots: with a reduction only ``Dh = 256`` deep, gate/up spends a large share of each work
-item on loads, which is what these variants attack (NOTES-perf.md, version 4).
+A tensor descriptor load is one bulk copy issued by one thread (the copy engine does the
+address arithmetic), where a pointer load costs every thread address registers and issue slots.
 
-* ``gate_up_tma_kernel``: weight tiles by descriptor. With ``X_GATHERED`` the block's ``x``
-  rows come from a buffer that ``gather_rows_kernel`` filled in padded-block order, so both
-  operands are descriptor loads (the form Triton's warp specialisation needs); otherwise they
-  are gathered by pointer loads as in the plain kernel. With ``ACT_DESC`` the activation tile
-  leaves by a descriptor store too.
-* ``down_tma_kernel``: the activation rows and the ``W_down`` tiles by descriptor.
+* ``expert_mlp_tma_kernel`` (the H200 tile table's choice for every class): gate/up, SwiGLU7
+  and the down projection of a whole row block in one work item. The block's ``x`` rows are
+  gathered once; ``[Dh, BLOCK_N]`` gate and up tiles and ``[BLOCK_N, Dh]`` down tiles stream
+  through a pipelined loop over ``I``; each ``BLOCK_N``-wide activation slice is rounded to
+  bf16 in registers and fed to the down MMA, so no activation buffer exists (NOTES-perf.md,
+  version 5).
+* The two-kernel forms (same work items, fp32 accumulation order and outputs as
+  ``gate_up_kernel`` and ``down_kernel`` in :mod:`magi_moe.kernels.fused`):
+  ``gate_up_tma_kernel`` loads weight tiles by descriptor; with ``X_GATHERED`` the block's ``x``
+  rows come from a buffer ``gather_rows_kernel`` filled in padded-block order, so both operands
+  are descriptor loads; with ``ACT_DESC`` the activation tile leaves by a descriptor store.
+  ``down_tma_kernel`` loads the activation rows and the ``W_down`` tiles by descriptor.
 
 Descriptors view the weights as 2-D ``[banks * rows_per_bank, cols]`` through their strides,
 so a tile at ``(bank * rows_per_bank + k, n)`` never crosses a bank (the reductions are whole
-multiples of ``BLOCK_K``). Descriptor coordinates are int32: callers check the row counts.
+multiples of the tile). Descriptor coordinates are int32: callers check the row counts.
 """
 from __future__ import annotations
 
@@ -79,16 +81,12 @@ def gate_up_tma_kernel(
     BLOCK_K: tl.constexpr,
     X_GATHERED: tl.constexpr,
     ACT_DESC: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     num_n: tl.constexpr = INTER // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    # WARP_SPEC asks Triton to split the work-item loop into load and MMA/epilogue warps, so
-    # one item's epilogue overlaps the next item's loads (on the K loop alone it gave wrong
-    # outputs with Triton 3.6: NOTES-perf.md, version 4).
-    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), warp_specialize=WARP_SPEC):
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
         block = item // num_n
         n0 = (item % num_n) * BLOCK_N
         bank = tl.load(block_bank_ptr + block)
@@ -136,13 +134,12 @@ def down_tma_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     num_n: tl.constexpr = HEAD_DIM // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in tl.range(tl.program_id(0), work, tl.num_programs(0), warp_specialize=WARP_SPEC):
+    for item in range(tl.program_id(0), work, tl.num_programs(0)):
         block = item // num_n
         n0 = (item % num_n) * BLOCK_N
         bank = tl.load(block_bank_ptr + block)
@@ -160,51 +157,6 @@ def down_tma_kernel(
 
         store_weighted_rows(acc, rows, row_mask, n0 + tl.arange(0, BLOCK_N), probs_ptr,
                             slots_ptr, rows_ptr, slot_route_ptr, stride_rows)
-
-
-@triton.jit
-def gate_up_wide_tma_kernel(
-    x_ptr,            # [S, H*Dh] input
-    wg_desc,          # [H*E*Dh, I] gate weights, blocks [Dh, BLOCK_N]
-    wu_desc,          # [H*E*Dh, I] up weights
-    gather_ptr, offsets_ptr, block_bank_ptr, block_start_ptr, block_count_ptr,
-    act_ptr,          # [max_blocks*BLOCK_M, I] out
-    act_desc,         # the same buffer by descriptor (written through it when ACT_DESC)
-    stride_x,
-    stride_act,
-    num_experts,
-    HEAD_DIM: tl.constexpr,   # a power of two: the whole reduction is one dot
-    INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ACT_DESC: tl.constexpr,
-    UPCAST: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """A work item is a whole row block: its ``x`` rows are gathered once (no gather pass, no
-    re-reads per column tile) and the pipelined loop streams ``[Dh, BLOCK_N]`` weight tiles."""
-    for block in range(tl.program_id(0), tl.load(block_count_ptr), tl.num_programs(0)):
-        bank = tl.load(block_bank_ptr + block)
-        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
-        x_tile = block_x_rows(x_ptr, gather_ptr, rows, row_mask, bank.to(tl.int64) // num_experts,
-                              stride_x, HEAD_DIM)
-        if UPCAST:
-            x_tile = x_tile.to(tl.float32)
-        w_row = bank * HEAD_DIM
-        for j in range(0, INTER // BLOCK_N):
-            n0 = j * BLOCK_N
-            wg = wg_desc.load([w_row, n0])
-            wu = wu_desc.load([w_row, n0])
-            if UPCAST:
-                wg = wg.to(tl.float32)
-                wu = wu.to(tl.float32)
-            g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
-            u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
-            if ACT_DESC:
-                act_desc.store([block * BLOCK_M, n0], activation(g, u, act_ptr.dtype.element_ty, UPCAST))
-            else:
-                store_activation(g, u, block, n0 + tl.arange(0, BLOCK_N), act_ptr, stride_act,
-                                 BLOCK_M, UPCAST)
 
 
 @triton.jit
