@@ -83,13 +83,14 @@ def test_block_schedule_worked_example(device):
 @pytest.mark.parametrize("from_counts", [False, True], ids=["offsets", "counts"])
 @pytest.mark.parametrize("block_m", [1, 16, 64])
 def test_block_schedule_covers_every_route_within_the_bound(device, block_m, from_counts):
-    """Several programs fill the schedule (block_m=1 gives over a hundred slots); from counts,
+    """Several programs fill the schedule, each looping over chunks of it (block_m=1 gives over
+    three hundred slots: more 64-slot chunks than the interpreter's four programs); from counts,
     the offsets they write must be the CSR cumsum."""
     fused = F()
     gen = torch.Generator().manual_seed(block_m)
     counts = torch.randint(0, 3 * block_m, (50,), generator=gen)
     counts[::7] = 0          # empty banks
-    counts[3] = 10 * block_m + 1  # a hot bank crossing many block boundaries
+    counts[3] = 10 * block_m + 301  # a hot bank crossing many block boundaries
     offsets = torch.zeros(51, dtype=torch.int64)
     offsets[1:] = torch.cumsum(counts, 0)
     R = int(offsets[-1])

@@ -506,9 +506,7 @@ def launch_block_schedule(offsets: torch.Tensor, num_routes: int, num_banks: int
     # GPU; the interpreter pays per program, so it takes larger ones.
     slots = 64 if interpreter_enabled() else max(1, min(64, 16384 // pad))
     warps = 1 if interpreter_enabled() else 8
-    programs = triton.cdiv(nb, slots)
-    if offsets.device.type == "cuda":
-        programs = persistent_grid(programs, 2, offsets.device)
+    programs = persistent_grid(triton.cdiv(nb, slots), 2, offsets.device)
     block_schedule_kernel[(programs,)](
         offsets, counts if counts is not None else offsets, block_bank, block_start, block_count,
         num_banks, nb,
