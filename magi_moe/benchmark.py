@@ -406,8 +406,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
             tiles = F.FusedTiles(**cand).fitted(cfg)
 
             def launch():
-                if not F.launch_expert_mlp(problem.x, table, packed, cfg, sched, rows, slot_route, tiles):
-                    raise RuntimeError("the one-kernel path cannot run here")
+                _launch_one_kernel(problem.x, table, packed, cfg, sched, rows, slot_route, tiles)
 
             def check():
                 rows.fill_(float("nan"))
@@ -435,6 +434,15 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         attempt("routing", {"block_s": bs, "block_d": bd, "warps": warps, "place_warps": pwarps},
                 route_once, check)
     return results
+
+
+def _launch_one_kernel(x, table, weights, config, schedule, rows, slot_route, tiles) -> None:
+    """The one-kernel expert path, or an error where it cannot run: timing a launch that did
+    not happen would look fast."""
+    from .kernels.fused import launch_expert_mlp
+
+    if not launch_expert_mlp(x, table, weights, config, schedule, rows, slot_route, tiles):
+        raise RuntimeError("the one-kernel path (gu_variant='mlp_tma') cannot run here")
 
 
 def _key(tiles: dict) -> tuple:
@@ -555,7 +563,8 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
 def breakdown_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> dict:
     """Median ms of each launch of the fused path with the tiles it would choose, timed alone
     (L2 flushed before each): where a case's time goes. ``gate_up`` includes the gather pass
-    that ``tma_gathered`` launches first (also shown alone as ``gather``)."""
+    that ``tma_gathered`` launches first (also shown alone as ``gather``); a one-kernel entry
+    that cannot run here is timed as the two-kernel fallback the path runs instead."""
     from .kernels import fused as F
     from .kernels import fused_tma as T
     from .packed_weights import pack_expert_weights
@@ -566,15 +575,18 @@ def breakdown_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int)
     tiles = F.choose_fused_tiles(cfg, R, device)
     ws = F.FusedWorkspace(device)
     sched = F.launch_block_schedule(table.offsets, R, cfg.num_banks, tiles.block_m, ws)
-    act = ws.get("act", (sched.max_blocks * tiles.block_m, cfg.intermediate_size), cfg.dtype)
     rows = ws.get("rows", (R, cfg.head_dim), torch.float32)
     slot_route = ws.get("slot_route", (problem.num_tokens * cfg.num_heads * cfg.top_k,), torch.int32)
+    if tiles.gu_variant == "mlp_tma" and not F.launch_expert_mlp(x, table, packed, cfg, sched,
+                                                                 rows, slot_route, tiles):
+        tiles = F.two_kernel_tiles(tiles, cfg)  # what fused_forward runs here instead
+    act = ws.get("act", (sched.max_blocks * tiles.block_m, cfg.intermediate_size), cfg.dtype)
     out = torch.empty_like(x)
     stages = {"schedule": lambda: F.launch_block_schedule(table.offsets, R, cfg.num_banks,
                                                           tiles.block_m, ws)}
     if tiles.gu_variant == "mlp_tma":
-        stages["gate_up+down"] = lambda: F.launch_expert_mlp(x, table, packed, cfg, sched, rows,
-                                                             slot_route, tiles)
+        stages["gate_up+down"] = lambda: _launch_one_kernel(x, table, packed, cfg, sched, rows,
+                                                            slot_route, tiles)
     else:
         if tiles.gu_variant == "tma_gathered":
             xg = ws.get("x_gathered", (sched.max_blocks * tiles.block_m, cfg.head_dim), x.dtype)
