@@ -296,7 +296,7 @@ class FusedTiles:
     # [Dh, gu_block_n] weight tiles streamed, no activation buffer (the down_* fields are then
     # unused; gu_block_k is the whole Dh). All in kernels/fused_tma.py. Descriptor
     # variants fall back to "kloop" (and the down kernel) where TMA is unavailable (before
-    # Hopper, unaligned weights, a head width not a power of two for the whole-block ones).
+    # Hopper, unaligned weights; for "mlp_tma" also a head width not a power of two).
     gu_variant: str = "kloop"
     gu_maxnreg: int = 0         # register cap per thread (0: the compiler's choice), for occupancy
     gu_act_store: str = "ptr"   # descriptor variants: "ptr" or "tma" store of the activation
@@ -341,7 +341,8 @@ PORTABLE_TILES = FusedTiles(block_m=64, gu_block_n=64, gu_block_k=64, gu_warps=4
 
 def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
     """Tiles for the gate/up and down kernels where a one-kernel ("mlp_tma") entry cannot run
-    (no TMA, unaligned weights, a head width not a power of two): the portable tiles at the
+    (no TMA, unaligned weights, a head width not a power of two, a compiled kernel larger than
+    the GPU's shared memory): the portable tiles at the
     entry's ``block_m``, so a block schedule already built for it still fits. A one-kernel
     entry's own gu_* fields size a whole-head reduction and would not fit a K loop's stages."""
     if tiles.gu_variant != "mlp_tma":
@@ -563,8 +564,8 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def _whole_head_tiles(config: MoEConfig) -> bool:
-    """The whole-block kernels load ``[Dh, BLOCK_N]`` weight tiles in one descriptor box
-    (a power of two, at most 256 per side)."""
+    """The one-kernel path loads ``[Dh, BLOCK_N]`` weight tiles in one descriptor box (a power
+    of two, at most 256 per side)."""
     dh = config.head_dim
     return dh & (dh - 1) == 0 and 16 <= dh <= 256
 DOWN_VARIANTS = ("ptr", "tma")
