@@ -21,7 +21,9 @@ from magi_moe.backends import Backend, get_backend
 from magi_moe.config import preset
 from magi_moe.layer import MagiMoE
 from magi_moe.problems import Problem, run_poisoned
-from magi_moe.registry import Implementation, get_implementation, implementations
+from magi_moe.implementation import Implementation
+from magi_moe.impls import BASELINE
+from magi_moe.registry import get_implementation, implementations
 
 from . import mpcheck
 from .bounds import (DEFAULT_FAILURE_PROBABILITY, BoundReport, compare_with_baseline,
@@ -150,7 +152,7 @@ class Audit:
     def section_bounds(self) -> dict[str, Problem]:
         o = self.options
         impls = self.selected_impls()
-        baseline = get_implementation("torch-bf16")
+        baseline = BASELINE
         random_problems = {}
         runnable = []
         for impl in impls:
@@ -197,9 +199,9 @@ class Audit:
         result = (f"{report.model}: err/bound max {report.worst_max_ratio:.3g} worst-case, "
                   f"{report.prob_max_ratio:.3g} probabilistic; rel L2 {report.relative_l2:.2e}")
         data = {"bounds": report.to_dict(), "seconds": seconds, "preset": preset_name, "probe": probe}
-        if report.model != "float64" and impl.name != "torch-bf16":
+        if report.model != "float64" and impl is not BASELINE:
             fa = compare_with_baseline(out, base_out, bounds.reference, dtype=problem.x.dtype)
-            result += f"; vs torch-bf16 {fa.ratio:.2f}x"
+            result += f"; vs {BASELINE.name} {fa.ratio:.2f}x"
             data["baseline"] = fa.to_dict()
             ok = report.ok and fa.ok
         else:

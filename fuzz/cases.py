@@ -162,11 +162,40 @@ class TieCase:
                              f"{self.num_tokens}, {self.levels}")
 
 
-_CASE_TYPES = {"ExpertCase": ExpertCase, "TieCase": TieCase}
+INT32_LIMIT = 2**31
+
+
+def first_overflowing_token(config: MoEConfig) -> int:
+    """The first token whose row offset ``token * H*Dh`` (in elements) reaches 2^31."""
+    return -(-INT32_LIMIT // config.hidden_size)
+
+
+@dataclass(frozen=True)
+class HugeCase:
+    """``num_tokens`` tokens of which only ``tokens`` (sorted, distinct) are routed, each to
+    ``top_k`` experts in every head; ``seed`` draws their values, experts and weights
+    (run by :mod:`fuzz.huge`)."""
+
+    config: MoEConfig
+    num_tokens: int
+    tokens: tuple[int, ...]
+    seed: int
+
+    def __post_init__(self) -> None:
+        tokens = tuple(sorted(set(int(t) for t in self.tokens)))
+        if not tokens or tokens[0] < 0 or tokens[-1] >= self.num_tokens:
+            raise ValueError(f"HugeCase.tokens must be non-empty and lie in [0, {self.num_tokens}), "
+                             f"got {self.tokens}")
+        if self.num_tokens >= INT32_LIMIT:
+            raise ValueError(f"HugeCase.num_tokens must fit the int32 gather ids, got {self.num_tokens}")
+        object.__setattr__(self, "tokens", tokens)
+
+
+_CASE_TYPES = {"ExpertCase": ExpertCase, "TieCase": TieCase, "HugeCase": HugeCase}
 
 
 def case_to_dict(case) -> dict[str, Any]:
-    """A JSON-ready dict (``{"type": ..., fields...}``) of any case in this module or fuzz.huge."""
+    """A JSON-ready dict (``{"type": ..., fields...}``) of any case in this module."""
     d: dict[str, Any] = {"type": type(case).__name__}
     for f in dataclasses.fields(case):
         value = getattr(case, f.name)
@@ -183,9 +212,7 @@ def case_to_dict(case) -> dict[str, Any]:
 def case_from_dict(d: dict[str, Any]):
     d = dict(d)
     kind = d.pop("type", None)
-    types = dict(_CASE_TYPES)
-    from .huge import HugeCase  # local: huge imports this module
-    types["HugeCase"] = HugeCase
+    types = _CASE_TYPES
     if kind not in types:
         raise ValueError(f"case type must be one of {sorted(types)}, got {kind!r}")
     d["config"] = config_from_dict(d["config"])

@@ -11,8 +11,7 @@ from __future__ import annotations
 from hypothesis import given, settings as Settings, strategies as st
 
 from . import properties as P
-from .huge import huge_cases
-from .strategies import expert_cases, tie_cases
+from .strategies import expert_cases, huge_cases, tie_cases
 
 __all__ = ["FUZZED_PROPERTIES", "case_strategy", "pytest_target", "run", "search"]
 
@@ -20,8 +19,10 @@ _seed = st.integers(0, 2**32 - 1)
 
 
 def _expert(target, budget, **kw):
-    dtypes = target.dtypes if target is not None else None
-    return expert_cases(budget=budget, **({"dtypes": dtypes} if dtypes else {}), **kw)
+    """Cases inside what ``target`` declares: its dtypes and its shape rule."""
+    if target is None:
+        return expert_cases(budget=budget, **kw)
+    return expert_cases(budget=budget, dtypes=target.dtypes, shapes=target.impl.shapes, **kw)
 
 
 def _with(params: dict):
@@ -34,7 +35,7 @@ def case_strategy(prop: str, target: P.Target | None = None, *, budget: float = 
     if prop == "tie_rule":
         return _with({})(tie_cases(budget=budget))
     if prop == "huge_offsets":
-        return _with({})(huge_cases())
+        return _with({})(huge_cases(**({"shapes": target.impl.shapes} if target is not None else {})))
     if prop == "token_permutation":
         return _with({"perm_seed": _seed})(_expert(target, budget, min_tokens=1))
     if prop == "head_locality":

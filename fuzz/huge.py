@@ -12,10 +12,12 @@ An int32 offset makes the load read a wild address, which kills the interpreter'
 SIGSEGV (and poisons a CUDA context), so every case runs in a child process
 (:func:`run_isolated`, ``python -m fuzz.huge``) and a death by signal is reported as such.
 
-Kernels are reached through *launchers* with ``launch_native``'s signature
-``launch(x, table, weights, config, accumulator, *, deterministic)``; :data:`LAUNCHERS` maps
-implementation names to them. On a GPU an implementation without a launcher can be run through
-its ordinary ``forward`` (``mode="forward"``: real memory for the whole input and output).
+An implementation is reached through the ``launcher`` it declares
+(:class:`~magi_moe.implementation.RowLauncher`: a caller-owned accumulator, so only the routed
+rows' pages are touched), or else through its ordinary ``forward``: then ``x`` stays lazy but
+the whole output is real memory (about 4.3 GB of bf16 at any width, since the row offset passes
+2^31 elements), which the CPU and a GPU both afford. A shape outside the implementation's
+declared ``supports`` is reported as unsupported; an error inside it is a failure.
 """
 from __future__ import annotations
 
@@ -30,116 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hypothesis import strategies as st
 
-from magi_moe.config import MoEConfig, WIDTH_MULTIPLE
 from magi_moe.routing import RouteTable, validate_route_table
 
-from .cases import (ExpertCase, RoutingSpec, ValueSpec, build_problem, case_from_dict, case_to_dict,
-                    dumps)
+from .cases import (ExpertCase, HugeCase, RoutingSpec, ValueSpec, build_problem, case_from_dict,
+                    case_to_dict, dumps, first_overflowing_token)
 
-__all__ = [
-    "INT32_LIMIT", "LAUNCHERS", "HugeCase", "IsolatedResult", "build_huge_problem",
-    "first_overflowing_token", "huge_cases", "launcher_for", "register_launcher", "run_huge_case",
-    "run_isolated",
-]
+__all__ = ["IsolatedResult", "build_huge_problem", "run_huge_case", "run_isolated"]
 
-INT32_LIMIT = 2**31
 RESULT_PREFIX = "FUZZ-HUGE-RESULT "
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-# implementation name -> (launcher "package.module:attr", deterministic variant?)
-LAUNCHERS: dict[str, tuple[str, bool]] = {
-    "native": ("magi_moe.kernels.native:launch_native", False),
-    "native-det": ("magi_moe.kernels.native:launch_native", True),
-    "fused": ("fuzz.huge:launch_fused_rows", True),
-}
-
-
-def launch_fused_rows(x, table: RouteTable, weights, config: MoEConfig, accumulator: torch.Tensor, *,
-                      deterministic: bool = True) -> None:
-    """The fused path's expert rows (``launch_route_rows``) into ``accumulator`` ``[R, Dh]``, with
-    a lazily allocated ``slot_route`` ``[S*H*K]``; checks that every routed slot points at its
-    route (only those pages are ever touched)."""
-    from magi_moe.kernels.fused import choose_fused_tiles, launch_route_rows, shared_workspace
-
-    slots = table.num_tokens * config.num_heads * config.top_k
-    slot_route = torch.empty(slots, dtype=torch.int32, device=x.device)
-    tiles = choose_fused_tiles(config, table.num_routes, x.device)
-    launch_route_rows(x, table, weights, config, accumulator, slot_route, tiles=tiles,
-                      workspace=shared_workspace(x.device))
-    routes = torch.arange(table.num_routes, dtype=torch.int32, device=x.device)
-    wrong = slot_route[table.route_slots] != routes
-    if bool(wrong.any()):
-        raise AssertionError(f"fused slot_route is wrong for {int(wrong.sum())} routed slots")
-
-
-def register_launcher(impl_name: str, spec: str, *, deterministic: bool) -> None:
-    """Let the huge fuzzer reach ``impl_name``'s kernel with a caller-owned accumulator."""
-    if ":" not in spec:
-        raise ValueError(f"spec must look like 'package.module:attr', got {spec!r}")
-    LAUNCHERS[impl_name] = (spec, bool(deterministic))
-
-
-def launcher_for(impl_name: str) -> tuple[str, bool] | None:
-    return LAUNCHERS.get(impl_name)
-
-
-def first_overflowing_token(config: MoEConfig) -> int:
-    """The first token whose row offset ``token * H*Dh`` (in elements) reaches 2^31."""
-    return -(-INT32_LIMIT // config.hidden_size)
-
-
-@dataclass(frozen=True)
-class HugeCase:
-    """``num_tokens`` tokens of which only ``tokens`` (sorted, distinct) are routed, each to
-    ``top_k`` experts in every head; ``seed`` draws their values, experts and weights."""
-
-    config: MoEConfig
-    num_tokens: int
-    tokens: tuple[int, ...]
-    seed: int
-
-    def __post_init__(self) -> None:
-        tokens = tuple(sorted(set(int(t) for t in self.tokens)))
-        if not tokens or tokens[0] < 0 or tokens[-1] >= self.num_tokens:
-            raise ValueError(f"HugeCase.tokens must be non-empty and lie in [0, {self.num_tokens}), "
-                             f"got {self.tokens}")
-        if self.num_tokens >= INT32_LIMIT:
-            raise ValueError(f"HugeCase.num_tokens must fit the int32 gather ids, got {self.num_tokens}")
-        object.__setattr__(self, "tokens", tokens)
-
-
-def huge_cases(*, config: MoEConfig | None = None, max_extra_tokens: int = 4096) -> st.SearchStrategy[HugeCase]:
-    """Cases with at least one routed token past the int32 boundary, often mixed in one block
-    with tokens below it (token 0, the boundary's neighbours, the last token). Small widths by
-    default (``config`` pins one): the cost is the child process, not the kernel."""
-    if isinstance(max_extra_tokens, bool) or not isinstance(max_extra_tokens, int) or max_extra_tokens < 1:
-        raise ValueError(f"max_extra_tokens must be an int >= 1, got {max_extra_tokens!r}")
-    if config is not None and not isinstance(config, MoEConfig):
-        raise TypeError(f"config must be a MoEConfig or None, got {type(config).__name__}")
-    return _huge_cases(config, max_extra_tokens)
-
-
-@st.composite
-def _huge_cases(draw, config: MoEConfig | None, max_extra_tokens: int) -> HugeCase:
-    if config is None:
-        E = draw(st.integers(1, 8))
-        config = MoEConfig(
-            num_heads=draw(st.integers(1, 3)),
-            head_dim=WIDTH_MULTIPLE * draw(st.integers(1, 4)),
-            num_experts=E, top_k=draw(st.integers(1, E)),
-            intermediate_size=WIDTH_MULTIPLE * draw(st.integers(1, 4)),
-            route_scale=2.5,
-        )
-    t0 = first_overflowing_token(config)
-    S = t0 + draw(st.integers(1, max_extra_tokens))
-    # (t0 + 1 is past the end when S = t0 + 1: the fuzz campaign found that one)
-    landmarks = st.sampled_from(sorted({t for t in (0, t0 - 1, t0, t0 + 1, S - 1) if 0 <= t < S}))
-    anywhere = st.one_of(landmarks, st.integers(max(0, t0 - 3), S - 1), st.integers(0, S - 1))
-    tokens = draw(st.lists(anywhere, min_size=0, max_size=5, unique=True))
-    tokens.append(draw(st.integers(t0, S - 1)))  # at least one past the boundary
-    return HugeCase(config, S, tuple(tokens), seed=draw(st.integers(0, 2**32 - 1)))
 
 
 @dataclass
@@ -188,47 +90,52 @@ def _guard_rows(tokens: list[int], num_tokens: int) -> list[int]:
     return sorted({g for t in tokens for g in (t - 1, t + 1) if 0 <= g < num_tokens and g not in routed})
 
 
-def run_huge_case(case: HugeCase, *, device: str = "cpu", launcher: str | None = None,
-                  deterministic: bool = False, impl: str | None = None) -> dict:
+def run_huge_case(case: HugeCase, *, impl: str, device: str = "cpu", mode: str = "launcher") -> dict:
     """Run one case in this process (use :func:`run_isolated`: a broken kernel may kill it).
-    Either ``launcher`` (a caller-owned accumulator) or ``impl`` (its ``forward``, real memory)."""
+
+    ``impl``: how to load the implementation (a registered name or ``package.module:attr``).
+    ``mode="launcher"``: through its declared :class:`~magi_moe.implementation.RowLauncher`
+    (a caller-owned accumulator); ``mode="forward"``: its ordinary ``forward`` (real output)."""
     from magi_moe.kernels.native import reduce_route_rows
     from magi_moe.reference import expert_reference
+    from magi_moe.registry import get_implementation
 
     from .tolerance import judge
 
-    if (launcher is None) == (impl is None):
-        raise ValueError("give exactly one of launcher= and impl=")
+    implementation = get_implementation(impl)
+    if mode not in ("launcher", "forward"):
+        raise ValueError(f"mode must be 'launcher' or 'forward', got {mode!r}")
+    launcher = implementation.launcher
+    if mode == "launcher" and launcher is None:
+        raise ValueError(f"{implementation.name} declares no launcher; use mode='forward'")
     cfg = case.config
     p = build_huge_problem(case, device)
     tokens = case.tokens
     guards = torch.tensor(_guard_rows(list(tokens), case.num_tokens), dtype=torch.int64, device=device)
     guard_ok = True
-    if impl is not None:  # the ordinary forward: every element written, unrouted rows zero
-        from magi_moe.registry import get_implementation
-        implementation = get_implementation(impl)
+    if mode == "forward":  # every element written, unrouted rows zero
         out = torch.full_like(p.x, float("nan"), dtype=implementation.output_dtype(p.x.dtype))
         implementation(p.x, p.table, p.weights, cfg, out=out)
         result = out[p.tokens].float()
         guard_ok = bool((out[guards] == 0).all()) if guards.numel() else True
-    elif deterministic:
+        del out
+    elif launcher.writes == "route_rows":
         rows = torch.full((p.table.num_routes, cfg.head_dim), float("nan"), device=device)
-        _load(launcher)(p.x, p.table, p.weights, cfg, rows, deterministic=True)
+        _load(launcher.spec)(p.x, p.table, p.weights, cfg, rows, deterministic=True)
         result = reduce_route_rows(rows, p.small_table, cfg)
     else:
         acc = torch.empty(case.num_tokens, cfg.hidden_size, dtype=torch.float32, device=device)
         acc[p.tokens] = 0.0
         acc[guards] = float("nan")  # a write into a neighbour row shows
-        _load(launcher)(p.x, p.table, p.weights, cfg, acc, deterministic=False)
+        _load(launcher.spec)(p.x, p.table, p.weights, cfg, acc, deterministic=False)
         result = acc[p.tokens]
         guard_ok = bool(torch.isnan(acc[guards]).all()) if guards.numel() else True
-    out_small = result.to(cfg.dtype)  # the one final rounding, as native_forward does
+    out_small = result.to(cfg.dtype)  # the one final rounding, as the forwards do
     ref = expert_reference(p.small_x, p.small_table, p.weights, cfg, precision="float64")
     base = expert_reference(p.small_x, p.small_table, p.weights, cfg, precision="bf16")
-    precision = implementation if impl is not None else "bf16-fp32acc"  # the launchers' model
-    verdict = judge(out_small, p.small, precision, ref, base)
+    verdict = judge(out_small, p.small, implementation, ref, base)
     return {"ok": verdict.ok and guard_ok, "guard_ok": guard_ok, "ratio": verdict.ratio,
-            "describe": verdict.text, "bound": verdict.source,
+            "describe": verdict.text, "bound": verdict.source, "mode": mode,
             "rows_past_2^31": sum(t >= first_overflowing_token(cfg) for t in tokens)}
 
 
@@ -264,16 +171,12 @@ def child_env(backend: str) -> dict[str, str]:
     return env
 
 
-def run_isolated(case: HugeCase, *, backend: str, launcher: str | None = None,
-                 deterministic: bool = False, impl: str | None = None,
+def run_isolated(case: HugeCase, *, backend: str, impl: str, mode: str = "launcher",
                  timeout: float = 600) -> IsolatedResult:
     """Run one case in a child process and report how it ended (a negative returncode is the
     signal that killed it, e.g. SIGSEGV from an int32 offset)."""
     cmd = [sys.executable, "-m", "fuzz.huge", "--case", dumps(case_to_dict(case)),
-           "--device", "cuda" if backend == "cuda" else "cpu"]
-    cmd += ["--launcher", launcher] if launcher else ["--impl", impl or ""]
-    if deterministic:
-        cmd.append("--deterministic")
+           "--device", "cuda" if backend == "cuda" else "cpu", "--impl", impl, "--mode", mode]
     try:
         proc = subprocess.run(cmd, env=child_env(backend), cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=timeout)
@@ -292,20 +195,18 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Run one huge-token case (a child of the fuzzer).")
     parser.add_argument("--case", required=True, help="HugeCase JSON")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--launcher", help="package.module:attr with launch_native's signature")
-    parser.add_argument("--impl", help="implementation name (forward mode, real memory)")
-    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--impl", required=True,
+                        help="implementation: a registered name or package.module:attr")
+    parser.add_argument("--mode", default="launcher", choices=("launcher", "forward"),
+                        help="through its declared launcher, or its forward (real output memory)")
     args = parser.parse_args(argv)
     case = case_from_dict(json.loads(args.case))
     if not isinstance(case, HugeCase):
         parser.error(f"--case must describe a HugeCase, got {type(case).__name__}")
-    result = run_huge_case(case, device=args.device, launcher=args.launcher or None,
-                           deterministic=args.deterministic, impl=args.impl or None)
+    result = run_huge_case(case, impl=args.impl, device=args.device, mode=args.mode)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":
-    # Run the copy imported as fuzz.huge, so the case classes are the ones fuzz.cases knows.
-    from fuzz.huge import main as _main
-    sys.exit(_main())
+    sys.exit(main())

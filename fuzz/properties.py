@@ -42,8 +42,9 @@ from magi_moe.reference import expert_reference
 from magi_moe.registry import Implementation, get_implementation
 from magi_moe.routing import Routes, build_route_table, router_logits, scores_from_logits
 
-from .cases import ExpertCase, TieCase, build_problem, build_router_inputs, case_to_dict, drop_banks
-from .huge import HugeCase, launcher_for, run_isolated
+from .cases import (ExpertCase, HugeCase, TieCase, build_problem, build_router_inputs, case_to_dict,
+                    drop_banks)
+from .huge import run_isolated
 from .record import PropertyViolation, in_flight
 from .tolerance import judge, rounding_mismatch, unit_roundoff
 
@@ -460,27 +461,25 @@ def _check_tie_probs(routes: Routes, scores: torch.Tensor, cfg, record: dict) ->
 
 
 def check_huge_offsets(target: Target, case: HugeCase, *, timeout: float = 600) -> dict:
-    """Tokens past 2^31 / row stride through the implementation's launcher, in a child process;
-    on a GPU an implementation without a launcher runs through its forward (real memory)."""
+    """Tokens past 2^31 / row stride, in a child process: through the implementation's declared
+    launcher (a caller-owned accumulator), else through its forward (real output memory).
+    A shape outside the implementation's ``supports`` is reported, not run."""
     record = _record("huge_offsets", target, case)
-    launch = launcher_for(target.impl.name)
+    why = target.impl.supports(case.config)
+    if why:
+        return {"unsupported": why}
+    mode = "launcher" if target.impl.launcher is not None else "forward"
     with in_flight(record):
-        if launch is not None:
-            spec, det = launch
-            result = run_isolated(case, backend=target.backend.name, launcher=spec,
-                                  deterministic=det, timeout=timeout)
-        elif target.backend.name == "cuda":
-            result = run_isolated(case, backend="cuda", impl=target.spec, timeout=timeout)
-        else:
-            return {"skipped": f"{target.impl.name} has no huge-input launcher (fuzz.huge.register_launcher)"}
+        result = run_isolated(case, backend=target.backend.name, impl=target.spec, mode=mode,
+                              timeout=timeout)
         if result.signal_name:
             raise PropertyViolation(f"the child process died with {result.signal_name} (tokens "
                                     f"{list(case.tokens)}, row stride {case.config.hidden_size}): an "
                                     "int32 offset overflow reads a wild address", record,
                                     {"signal": result.signal_name})
         if result.returncode != 0 or not result.result:
-            raise PropertyViolation(f"the child process exited with {result.returncode}: "
-                                    f"{result.output_tail[-1500:]}", record)
+            raise PropertyViolation(f"the child process exited with {result.returncode} on a shape "
+                                    f"{target.impl.name} supports: {result.output_tail[-1500:]}", record)
         if not result.result["ok"]:
             raise PropertyViolation(f"wrong rows past 2^31: {result.result['describe']}; guard rows "
                                     f"intact: {result.result['guard_ok']}", record, result.result)

@@ -15,10 +15,10 @@ import torch
 from hypothesis import strategies as st
 
 from magi_moe.config import MoEConfig, SCORE_FUNCS, WIDTH_MULTIPLE
+from magi_moe.implementation import ANY_SHAPE, ShapeRule
 
-from .cases import (ROUTING_KINDS, TIE_KINDS, X_DISTRIBUTIONS, ExpertCase, RoutingSpec, TieCase,
-                    ValueSpec)
-from .huge import huge_cases
+from .cases import (ROUTING_KINDS, TIE_KINDS, X_DISTRIBUTIONS, ExpertCase, HugeCase, RoutingSpec,
+                    TieCase, ValueSpec, first_overflowing_token)
 
 __all__ = [
     "AWKWARD_TOKEN_COUNTS", "Limits", "configs", "empty_bank_sets", "expert_cases", "huge_cases",
@@ -70,29 +70,56 @@ def _favour(values: list[int], lo: int, hi: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(special), anything) if special else anything
 
 
-def _widths(lo: int, hi: int, favoured: tuple[int, ...]) -> st.SearchStrategy[int]:
-    steps = _favour([f // WIDTH_MULTIPLE for f in favoured], lo // WIDTH_MULTIPLE, hi // WIDTH_MULTIPLE)
-    return steps.map(lambda s: s * WIDTH_MULTIPLE)
+def _pick_widths(accepted: list[int], favoured: tuple[int, ...]) -> st.SearchStrategy[int]:
+    """One of ``accepted`` (drawn from inside a shape rule, never filtered), favoured ones half
+    of the time; the smallest first, so shrinking moves towards cheap shapes."""
+    special = [w for w in favoured if w in accepted]
+    anything = st.sampled_from(accepted)
+    return st.one_of(st.sampled_from(special), anything) if special else anything
 
 
-def configs(*, budget: float = 1.0, dtypes=(torch.bfloat16,),
-            score_funcs=SCORE_FUNCS) -> st.SearchStrategy[MoEConfig]:
-    """Layer configurations: one head or several, one expert or many, ``top_k`` from 1 to E."""
+def _accepted_widths(shapes: ShapeRule, high: int) -> tuple[list[int], list[int]]:
+    """Head and intermediate widths the rule accepts up to the budget's limit; where the rule
+    admits none that small, its smallest widths (a wide-only kernel still gets cases)."""
+    head_dims = shapes.head_dims(WIDTH_MULTIPLE, high[0], multiple=WIDTH_MULTIPLE)
+    if not head_dims:
+        head_dims = shapes.head_dims(WIDTH_MULTIPLE, 4096, multiple=WIDTH_MULTIPLE)[:1]
+    inters = shapes.intermediate_sizes(WIDTH_MULTIPLE, high[1], multiple=WIDTH_MULTIPLE)
+    if not inters:
+        inters = shapes.intermediate_sizes(WIDTH_MULTIPLE, 8192, multiple=WIDTH_MULTIPLE)[:1]
+    if not head_dims:
+        raise ValueError(f"shapes {shapes} accept no head width up to 4096")
+    return head_dims, inters
+
+
+def _check_shapes(shapes) -> ShapeRule:
+    if not isinstance(shapes, ShapeRule):
+        raise TypeError(f"shapes must be a magi_moe.implementation.ShapeRule, got {type(shapes).__name__}")
+    return shapes
+
+
+def configs(*, budget: float = 1.0, dtypes=(torch.bfloat16,), score_funcs=SCORE_FUNCS,
+            shapes: ShapeRule = ANY_SHAPE) -> st.SearchStrategy[MoEConfig]:
+    """Layer configurations: one head or several, one expert or many, ``top_k`` from 1 to E;
+    widths drawn from those ``shapes`` (an implementation's declared rule) accepts."""
     lim = Limits(budget)
     dtypes = _check_dtypes(dtypes)
     score_funcs = tuple(score_funcs)
     if not score_funcs or any(s not in SCORE_FUNCS for s in score_funcs):
         raise ValueError(f"score_funcs must be a non-empty subset of {SCORE_FUNCS}, got {score_funcs}")
-    return _configs(lim, dtypes, score_funcs)
+    return _configs(lim, dtypes, score_funcs, _check_shapes(shapes))
 
 
 @st.composite
-def _configs(draw, lim: Limits, dtypes, score_funcs) -> MoEConfig:
+def _configs(draw, lim: Limits, dtypes, score_funcs, shapes: ShapeRule) -> MoEConfig:
+    head_dims, inters = _accepted_widths(shapes, (lim.max_head_dim, lim.max_intermediate))
     heads = draw(_favour([1, 2, 3, 12], 1, lim.max_heads))
-    head_dim = draw(_widths(WIDTH_MULTIPLE, lim.max_head_dim, (16, 32, 48, 256)))
-    experts = draw(_favour([1, 2, 8, 16, 256], 1, lim.max_experts))
-    top_k = draw(_favour([1, 2, 6, experts], 1, experts))
-    inter = draw(_widths(WIDTH_MULTIPLE, lim.max_intermediate, (16, 48, 128, 1280)))
+    head_dim = draw(_pick_widths(head_dims, (16, 32, 48, 256)))
+    max_experts = lim.max_experts
+    experts = draw(_favour([1, 2, 8, 16, 256], 1, max_experts))
+    max_k = min(experts, shapes.max_top_k or experts)
+    top_k = draw(_favour([1, 2, 6, max_k], 1, max_k))
+    inter = draw(_pick_widths(inters, (16, 48, 128, 1280)))
     return MoEConfig(
         num_heads=heads, head_dim=head_dim, num_experts=experts, top_k=top_k,
         intermediate_size=inter, score_func=draw(st.sampled_from(score_funcs)),
@@ -169,6 +196,62 @@ def empty_bank_sets(config: MoEConfig) -> st.SearchStrategy[tuple[int, ...]]:
     return st.one_of(options) if options else st.just(tuple(range(HE)))
 
 
+# Released MAGI-2 widths (CONTRACT section 1): one head's row is Dh elements, a token's row
+# H*Dh; with H=12 the row stride is 3072 elements and token 699,051 is the first past 2^31.
+PRODUCTION_HEAD_DIM, PRODUCTION_INTERMEDIATE, PRODUCTION_HEADS = 256, 1280, (3, 12)
+
+
+def huge_cases(*, shapes: ShapeRule = ANY_SHAPE, config: MoEConfig | None = None,
+               max_extra_tokens: int = 4096,
+               production: bool = True) -> st.SearchStrategy[HugeCase]:
+    """Cases with at least one routed token past the int32 boundary ``2^31 / (H*Dh)``, often
+    mixed in one block with tokens below it (token 0, the boundary's neighbours, the last token).
+
+    Widths come from inside ``shapes`` (the implementation's declared rule): small ones, and
+    with ``production`` the released widths (``Dh=256``, ``I=1280``, ``H`` 3 or 12, a few
+    experts), so a kernel restricted to wide heads still gets tokens past 2^31 where it runs.
+    ``config`` pins one configuration."""
+    if isinstance(max_extra_tokens, bool) or not isinstance(max_extra_tokens, int) or max_extra_tokens < 1:
+        raise ValueError(f"max_extra_tokens must be an int >= 1, got {max_extra_tokens!r}")
+    if config is not None:
+        _check_config(config)
+        return _huge_cases(st.just(config), max_extra_tokens)
+    shapes = _check_shapes(shapes)
+    head_dims, inters = _accepted_widths(shapes, (4 * WIDTH_MULTIPLE, 4 * WIDTH_MULTIPLE))
+    small = _huge_configs(st.integers(1, 3), st.sampled_from(head_dims), st.sampled_from(inters),
+                          shapes)
+    if not production:
+        return _huge_cases(small, max_extra_tokens)
+    wide_dims = [d for d in (PRODUCTION_HEAD_DIM,) if d in shapes.head_dims(d, d)] or \
+        shapes.head_dims(PRODUCTION_HEAD_DIM, 4096)[:1] or head_dims[-1:]
+    wide_inters = [i for i in (PRODUCTION_INTERMEDIATE,) if i in shapes.intermediate_sizes(i, i)] or \
+        shapes.intermediate_sizes(PRODUCTION_INTERMEDIATE, 8192)[:1]
+    wide = _huge_configs(st.sampled_from(PRODUCTION_HEADS), st.sampled_from(wide_dims),
+                         st.sampled_from(wide_inters), shapes, max_experts=2)
+    return _huge_cases(st.one_of(small, wide), max_extra_tokens)
+
+
+@st.composite
+def _huge_configs(draw, heads, head_dims, inters, shapes: ShapeRule, max_experts: int = 8) -> MoEConfig:
+    E = draw(st.integers(1, max_experts))
+    return MoEConfig(num_heads=draw(heads), head_dim=draw(head_dims), num_experts=E,
+                     top_k=draw(st.integers(1, min(E, shapes.max_top_k or E))),
+                     intermediate_size=draw(inters), route_scale=2.5)
+
+
+@st.composite
+def _huge_cases(draw, configs_, max_extra_tokens: int) -> HugeCase:
+    config = draw(configs_)
+    t0 = first_overflowing_token(config)
+    S = t0 + draw(st.integers(1, max_extra_tokens))
+    # (t0 + 1 is past the end when S = t0 + 1: the fuzz campaign found that one)
+    landmarks = st.sampled_from(sorted({t for t in (0, t0 - 1, t0, t0 + 1, S - 1) if 0 <= t < S}))
+    anywhere = st.one_of(landmarks, st.integers(max(0, t0 - 3), S - 1), st.integers(0, S - 1))
+    tokens = draw(st.lists(anywhere, min_size=0, max_size=5, unique=True))
+    tokens.append(draw(st.integers(t0, S - 1)))  # at least one past the boundary
+    return HugeCase(config, S, tuple(tokens), seed=draw(st.integers(0, 2**32 - 1)))
+
+
 def _check_config(config) -> None:
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
@@ -183,9 +266,11 @@ def _check_kinds(kinds, allowed, what="kinds") -> tuple[str, ...]:
 
 def expert_cases(*, budget: float = 1.0, dtypes=(torch.bfloat16,), routing_kinds=ROUTING_KINDS,
                  min_tokens: int = 0, empty_banks: bool = False,
-                 config: MoEConfig | None = None) -> st.SearchStrategy[ExpertCase]:
+                 config: MoEConfig | None = None,
+                 shapes: ShapeRule = ANY_SHAPE) -> st.SearchStrategy[ExpertCase]:
     """Expert-computation cases (shape, routes, values). ``empty_banks=True`` also empties
-    some banks by hand; ``config`` pins the configuration."""
+    some banks by hand; ``config`` pins the configuration; ``shapes`` (an implementation's
+    declared rule) bounds the widths drawn."""
     Limits(budget)
     _check_dtypes(dtypes)
     routing_kinds = _check_kinds(routing_kinds, ROUTING_KINDS, "routing_kinds")
@@ -193,12 +278,14 @@ def expert_cases(*, budget: float = 1.0, dtypes=(torch.bfloat16,), routing_kinds
         raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
     if config is not None:
         _check_config(config)
-    return _expert_cases(budget, tuple(dtypes), routing_kinds, min_tokens, bool(empty_banks), config)
+    return _expert_cases(budget, tuple(dtypes), routing_kinds, min_tokens, bool(empty_banks), config,
+                         _check_shapes(shapes))
 
 
 @st.composite
-def _expert_cases(draw, budget, dtypes, routing_kinds, min_tokens, empty_banks, config) -> ExpertCase:
-    cfg = config if config is not None else draw(configs(budget=budget, dtypes=dtypes))
+def _expert_cases(draw, budget, dtypes, routing_kinds, min_tokens, empty_banks, config,
+                  shapes) -> ExpertCase:
+    cfg = config if config is not None else draw(configs(budget=budget, dtypes=dtypes, shapes=shapes))
     S = draw(token_counts(cfg, budget=budget, min_tokens=min_tokens))
     return ExpertCase(
         config=cfg, num_tokens=S,

@@ -39,6 +39,8 @@ from typing import Callable
 import torch
 
 from .config import MoEConfig, preset
+from .implementation import Implementation
+from .registry import get_implementation
 from .problems import Problem, random_problem, relative_l2
 from .reference import expert_reference
 from .routing import build_route_table, route
@@ -118,44 +120,40 @@ def floors(problem: Problem) -> dict:
 # ---------------------------------------------------------------------------------------------
 # paths
 # ---------------------------------------------------------------------------------------------
-def _layer(problem: Problem, impl: str):
-    from .layer import MagiMoE
+def _layer(problem: Problem, impl: Implementation):
+    """The implementation's own layer (:meth:`Implementation.layer`) loaded with the problem's
+    weights; the selection bias is the problem's in both bias slots."""
+    sd = {"gate": problem.gate, "W_gate": problem.weights.w_gate, "W_up": problem.weights.w_up,
+          "W_down": problem.weights.w_down, "router.expert_bias": problem.bias,
+          "router.expert_bias_ema": problem.bias}
+    return impl.layer(problem.config, {k: v.clone() for k, v in sd.items()}, problem.x.device)
 
-    cfg = problem.config
-    layer = MagiMoE(cfg, impl=impl, device=problem.x.device)
-    with torch.no_grad():
-        layer.gate.copy_(problem.gate)
-        layer.W_gate.copy_(problem.weights.w_gate)   # writes the packed bank for impl="fused"
-        layer.W_up.copy_(problem.weights.w_up)
-        layer.W_down.copy_(problem.weights.w_down)
-        layer.router.expert_bias_ema.copy_(problem.bias)
-    return layer
+
+def _expert_path(problem: Problem, impl: Implementation, out: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Kernel level: routes precomputed, weights prepared once as the implementation declares
+    (packed for ``fused``), the output pre-allocated."""
+    p = problem
+    weights = impl.prepare_weights(p.weights) if impl.prepare_weights else p.weights
+    out = out if impl.output_dtype(p.x.dtype) == out.dtype else torch.empty_like(
+        out, dtype=impl.output_dtype(p.x.dtype))
+    return lambda: impl(p.x, p.table, weights, p.config, out=out)
 
 
 def make_paths(problem: Problem, names: tuple[str, ...]) -> dict[str, Callable[[], torch.Tensor]]:
     """One zero-argument callable per path, all state (outputs, packed weights, layers) built
-    here so that the timed call does only the path's own work."""
-    from .kernels.fused import fused_forward
+    here so that the timed call does only the path's own work. An expert path is named by its
+    implementation; ``NAME-layer`` is that implementation's own layer (routing included)."""
     from .kernels.fused_routing import fused_route
-    from .kernels.native import native_forward
-    from .packed_weights import pack_expert_weights
 
     p, cfg = problem, problem.config
-    x, table = p.x, p.table
+    x = p.x
     out = torch.empty_like(x)
     fns: dict[str, Callable[[], torch.Tensor]] = {}
     for name in names:
-        if name == "native":
-            fns[name] = lambda: native_forward(x, table, p.weights, cfg, out=out)
-        elif name == "native-det":
-            fns[name] = lambda: native_forward(x, table, p.weights, cfg, deterministic=True, out=out)
-        elif name == "fused":
-            packed = pack_expert_weights(p.weights)
-            fns[name] = lambda packed=packed: fused_forward(x, table, packed, cfg, out=out)
-        elif name == "torch-bf16":
-            fns[name] = lambda: expert_reference(x, table, p.weights, cfg, precision="bf16")
+        if name in EXPERT_PATHS:
+            fns[name] = _expert_path(p, get_implementation(name), out)
         elif name in LAYER_PATHS:
-            layer = _layer(p, "fused" if name == "fused-layer" else "native")
+            layer = _layer(p, get_implementation(name.removesuffix("-layer")))
             fns[name] = lambda layer=layer: layer(x)
         elif name == "routing":
             fns[name] = lambda: build_route_table(route(x, p.gate, p.bias, cfg), cfg).offsets

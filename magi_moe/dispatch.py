@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from .backends import interpreter_enabled, triton_installed
-from .registry import Implementation, get_implementation
+from .implementation import Implementation
+from .impls import FUSED, NATIVE, NATIVE_DET, REFERENCE
 
-FUSED_DTYPES = (torch.bfloat16, torch.float16)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -35,7 +35,7 @@ def choose_implementation(device: torch.device, dtype: torch.dtype, *,
     kernels_run_here = triton_installed() and (
         device.type == "cuda" or (device.type == "cpu" and interpreter_enabled()))
     if not kernels_run_here or dtype not in KERNEL_DTYPES:
-        return get_implementation("reference")
-    if dtype in FUSED_DTYPES and not _compiling():
-        return get_implementation("fused")
-    return get_implementation("native-det" if deterministic else "native")
+        return REFERENCE
+    if dtype in FUSED.dtypes and not _compiling():
+        return FUSED
+    return NATIVE_DET if deterministic else NATIVE

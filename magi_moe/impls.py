@@ -1,10 +1,11 @@
-"""magi-moe's own implementations, registered by name."""
+"""magi-moe's own implementations, declared as plain data (:data:`BUILTINS`); the registry
+imports them. Triton is imported only when a kernel runs."""
 from __future__ import annotations
 
 import torch
 
+from .implementation import Implementation, RowLauncher
 from .reference import expert_reference
-from .registry import Implementation, register
 
 ALL_BACKENDS = ("cpu", "interpret", "cuda")
 TRITON_BACKENDS = ("interpret", "cuda")
@@ -21,34 +22,59 @@ def _torch_bf16(x, table, weights, config, *, out):
 
 def _native(deterministic: bool):
     def forward(x, table, weights, config, *, out):
-        from .kernels.native import native_forward  # Triton imported only when used
+        from .kernels.native import native_forward
         return native_forward(x, table, weights, config, deterministic=deterministic, out=out)
     return forward
 
 
 def _fused(x, table, weights, config, *, out):
-    from .kernels.fused import fused_forward  # Triton imported only when used
+    from .kernels.fused import fused_forward
     return fused_forward(x, table, weights, config, out=out)
 
 
-register(Implementation(
+def _fused_layer(layer, x):
+    """``MagiMoE``'s whole-layer path for ``fused``: fused routing and the fused experts on the
+    layer's packed bank; no host sync, no workspace allocation once warm."""
+    from .kernels.fused_routing import fused_layer_forward
+
+    with torch.no_grad():
+        layer.weight_cache.ensure(layer.W_gate, layer.W_up)
+        return fused_layer_forward(x, layer.gate, layer.selection_bias, layer.expert_weights(),
+                                   layer.config)
+
+
+def _pack(weights):
+    from .packed_weights import pack_expert_weights
+    return pack_expert_weights(weights)
+
+
+REFERENCE = Implementation(
     "reference", _reference, ALL_BACKENDS, "float64", dtypes=FLOAT_DTYPES,
-    capabilities={"int64_offsets"},
-    description="float64 oracle: per-expert loop, no intermediate rounding"))
-register(Implementation(
+    capabilities={"int64_offsets", "strided_weights"},
+    description="float64 oracle: per-expert loop, no intermediate rounding")
+TORCH_BF16 = Implementation(
     "torch-bf16", _torch_bf16, ALL_BACKENDS, "bf16-plain",
-    capabilities={"int64_offsets"},
-    description="plain PyTorch per-expert loop at working precision (FlashAttention-style baseline)"))
-register(Implementation(
+    capabilities={"int64_offsets", "strided_weights"},
+    description="plain PyTorch per-expert loop at working precision (FlashAttention-style baseline)")
+NATIVE = Implementation(
     "native", _native(False), TRITON_BACKENDS, "bf16-fp32acc-atomic", dtypes=FLOAT_DTYPES,
     capabilities={"int64_offsets"},
-    description="Triton gather/expert/scatter kernel, fp32 atomics into an fp32 accumulator"))
-register(Implementation(
+    launcher=RowLauncher("magi_moe.kernels.native:launch_native", "accumulate"),
+    description="Triton gather/expert/scatter kernel, fp32 atomics into an fp32 accumulator")
+NATIVE_DET = Implementation(
     "native-det", _native(True), TRITON_BACKENDS, "bf16-fp32acc", dtypes=FLOAT_DTYPES,
     capabilities={"int64_offsets", "deterministic"},
-    description="the native kernel storing per-route rows, reduced over top-k in a fixed order"))
-register(Implementation(
+    launcher=RowLauncher("magi_moe.kernels.native:launch_native", "route_rows"),
+    description="the native kernel storing per-route rows, reduced over top-k in a fixed order")
+FUSED = Implementation(
     "fused", _fused, TRITON_BACKENDS, "bf16-fp32acc", dtypes=(torch.bfloat16, torch.float16),
-    capabilities={"deterministic", "int64_offsets", "weight_cache", "no_host_sync"},
+    capabilities={"deterministic", "int64_offsets", "weight_cache", "no_host_sync",
+                  "strided_weights"},
+    layer_forward=_fused_layer,
+    launcher=RowLauncher("magi_moe.kernels.fused_rows:launch_fused_rows", "route_rows"),
+    prepare_weights=_pack,
     description="fused BF16 path: grouped gate/up + down GEMMs over padded per-expert blocks, "
-                "fp32 top-k sum without atomics, device-built block schedule"))
+                "fp32 top-k sum without atomics, device-built block schedule")
+
+BUILTINS: tuple[Implementation, ...] = (REFERENCE, TORCH_BF16, NATIVE, NATIVE_DET, FUSED)
+BASELINE = TORCH_BF16  # the FlashAttention-style "plain PyTorch at working precision" baseline

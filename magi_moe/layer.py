@@ -9,13 +9,32 @@ from torch import nn
 from .config import MoEConfig
 from .dispatch import choose_implementation
 from .packed_weights import PackedWeightCache
-from .registry import Implementation, get_implementation
+from .implementation import Implementation
+from .registry import get_implementation
 from .routing import build_route_table, route
 from .validation import check_finite, check_tensor
 from .weights import ExpertWeights
 
 BiasSource = Literal["expert_bias_ema", "expert_bias", "none"]
 BIAS_SOURCES = ("expert_bias_ema", "expert_bias", "none")
+
+
+def refill_in_place(module: nn.Module, state_dict, prefix: str, local_metadata: dict) -> None:
+    """Turn ``load_state_dict(..., assign=True)`` into an in-place copy for ``module``'s own
+    tensors when each incoming tensor matches the existing one's shape, dtype and device (and
+    the existing one is real, not meta): the storage a captured CUDA graph reads stays valid."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    own = {**module._parameters, **module._buffers}
+    for name, current in own.items():
+        incoming = state_dict.get(prefix + name)
+        if current is None or incoming is None:
+            continue
+        if (current.is_meta or not isinstance(incoming, torch.Tensor)
+                or incoming.shape != current.shape or incoming.dtype != current.dtype
+                or incoming.device != current.device):
+            return
+    local_metadata["assign_to_params_buffers"] = False
 
 
 class Router(nn.Module):
@@ -26,6 +45,12 @@ class Router(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_banks, dtype=torch.float32, device=device))
         self.register_buffer("expert_bias_ema", torch.zeros(num_banks, dtype=torch.float32, device=device))
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        refill_in_place(self, state_dict, prefix, local_metadata)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
 
 class MagiMoE(nn.Module):
     """``y = MoE(x)`` for ``x`` ``[S, H*Dh]``.
@@ -34,13 +59,27 @@ class MagiMoE(nn.Module):
     ``W_down [H*E, I, Dh]`` in ``config.dtype``; buffers ``router.expert_bias`` and
     ``router.expert_bias_ema`` ``[H*E]`` fp32. ``bias_source`` picks the selection bias:
     ``expert_bias_ema`` (vLLM-Omni's default), ``expert_bias`` (SandAI's original) or ``none``.
-    ``impl`` forces an implementation by name; by default :mod:`magi_moe.dispatch` chooses.
+    ``impl`` forces an implementation (a name or an Implementation); by default
+    :mod:`magi_moe.dispatch` chooses. An implementation with a ``layer_forward`` (``fused``)
+    runs the whole layer through it; any other gets torch routing and its ``forward``.
 
     ``weight_cache``: the :class:`~magi_moe.packed_weights.PackedWeightCache` that packs
     ``W_gate``/``W_up`` into one bank for the fused path (its docstring says what it promises),
-    or None when the forced implementation keeps no cache. With ``impl="fused"`` the weights are
-    packed at construction, so aliases taken afterwards stay aliases of the parameters.
+    or None when the forced implementation keeps no cache. A forced implementation declaring
+    ``weight_cache`` packs at construction, so aliases taken afterwards stay aliases.
+
+    Under CUDA graphs (:attr:`graph_promises`, CONTRACT section 8b): a captured forward replays
+    the addresses it captured. Changes that write the existing storage (in-place ops,
+    ``copy_``, ``param.data.copy_``, ``load_state_dict``, writes under ``inference_mode``) are
+    seen by the replay. ``load_state_dict(..., assign=True)`` refills the existing storage in
+    place when shape, dtype and device match, so it is seen too. A storage swap the layer cannot
+    intercept (``param.data = new``, ``set_``, a module-wide ``.to(...)``) needs a recapture;
+    the layer keeps the captured storage alive, so a stale replay never reads freed memory.
     """
+
+    # Routes (audit.cache names) whose change a captured graph does not see: recapture after them.
+    graph_promises = {"param_data_assign": "recapture", "to_dtype": "recapture",
+                      "to_device": "recapture"}
 
     def __init__(self, config: MoEConfig, *, bias_source: BiasSource = "expert_bias_ema",
                  deterministic: bool = False, impl: str | Implementation | None = None,
@@ -51,7 +90,7 @@ class MagiMoE(nn.Module):
         self.config = config
         self.bias_source = bias_source
         self.deterministic = deterministic
-        self.impl = get_implementation(impl) if isinstance(impl, str) else impl
+        self.impl = None if impl is None else get_implementation(impl)
         HE, Dh, I = config.num_banks, config.head_dim, config.intermediate_size
         empty = lambda *shape, dtype: nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))  # noqa: E731
         self.gate = empty(HE, Dh, dtype=torch.float32)
@@ -62,7 +101,8 @@ class MagiMoE(nn.Module):
         self.reset_parameters()
         keeps_cache = self.impl is None or "weight_cache" in self.impl.capabilities
         self.weight_cache = PackedWeightCache() if keeps_cache else None
-        if self.impl is not None and self.impl.name == "fused":
+        self._graph_pins: list[torch.Tensor] = []
+        if self.impl is not None and "weight_cache" in self.impl.capabilities:
             self.weight_cache.ensure(self.W_gate, self.W_up)
 
     # Module-wide casts (``.to(torch.bfloat16)``, ``.half()``, ``.float()``) are how serving
@@ -142,28 +182,34 @@ class MagiMoE(nn.Module):
         cfg = self.config
         check_tensor("x", x, shape=(None, cfg.hidden_size), dtype=cfg.dtype, device=self.W_gate.device)
         impl = self.implementation(x)
-        if impl.name == "fused" and self.weight_cache is not None:
-            return self._fused_forward(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._pin_for_graph()
+        if impl.layer_forward is not None and self.weight_cache is not None:
+            return impl.layer_forward(self, x)
         routes = route(x, self.gate, self.selection_bias, cfg)
         table = build_route_table(routes, cfg)
         weights = self.expert_weights()
-        if impl.name.startswith("native") and not all(w.is_contiguous() for w in weights):
-            # gate/up are views into the fused path's bank; the native kernel needs dense
-            # weights, so this (rare: forced impl, torch.compile) path pays a copy per call.
+        if "strided_weights" not in impl.capabilities and not all(w.is_contiguous() for w in weights):
+            # gate/up are views into the fused path's bank; a kernel that needs dense weights
+            # gets a copy per call on this (rare: forced impl, torch.compile) path.
             weights = ExpertWeights(*(w.contiguous() for w in weights))
         with torch.no_grad():
             y = impl(x, table, weights, cfg)
         return y.to(x.dtype)
 
-    @torch.no_grad()
-    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Fused routing + fused experts on the packed bank: no host sync, no workspace
-        allocation once warm (the output is the one allocation per call)."""
-        from .kernels.fused_routing import fused_layer_forward  # Triton imported only when used
+    def _pin_for_graph(self) -> None:
+        """Keep the storage a graph being captured reads alive: after a swap the layer cannot
+        intercept, a replay then reads the old values (recapture, see the class docstring),
+        never memory the allocator handed to someone else."""
+        self._graph_pins = [t.detach() for t in (*self.parameters(), *self.buffers())]
 
-        self.weight_cache.ensure(self.W_gate, self.W_up)
-        return fused_layer_forward(x, self.gate, self.selection_bias, self.expert_weights(),
-                                   self.config)
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # assign=True would swap storage under a captured graph: refill in place instead
+        # whenever every tensor fits the existing one (shape, dtype, device; not meta).
+        refill_in_place(self, state_dict, prefix, local_metadata)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
         return f"{self.config.describe()}, bias_source={self.bias_source}, deterministic={self.deterministic}"

@@ -12,16 +12,15 @@ audit --impl``, ``python -m fuzz --impl``, ``MagiMoE(impl=...)``):
 
 The attribute is an :class:`~magi_moe.registry.Implementation` or a zero-argument callable that
 returns one (a factory, so that heavy imports wait until the implementation is asked for).
-Each outside implementation is loaded once per process and registered under its own name; a
-name already taken by a different implementation is refused rather than silently replaced.
+Each outside implementation is loaded once per process; :mod:`magi_moe.registry` registers it
+under its own name and refuses a name already taken by a different implementation.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
 
-from . import registry
-from .registry import Implementation
+from .implementation import Implementation
 
 ENTRY_POINT_GROUP = "magi_moe.implementations"
 
@@ -33,19 +32,9 @@ def as_implementation(obj: object, source: str) -> Implementation:
     if not isinstance(obj, Implementation) and callable(obj):
         obj = obj()
     if not isinstance(obj, Implementation):
-        raise ValueError(f"{source} must be a magi_moe.registry.Implementation or a zero-argument "
+        raise ValueError(f"{source} must be a magi_moe.implementation.Implementation or a zero-argument "
                          f"factory returning one, got {type(obj).__name__}")
     return obj
-
-
-def _register(impl: Implementation, source: str) -> Implementation:
-    taken = {i.name: i for i in registry.implementations()}.get(impl.name)
-    if taken is impl:
-        return impl  # the same object reached by another name (a spec and an entry point)
-    if taken is not None:
-        raise ValueError(f"{source} declares the name {impl.name!r}, which another implementation "
-                         f"already has; give it its own name so that its results are reported under it")
-    return registry.register(impl)
 
 
 def load_spec(spec: str) -> Implementation:
@@ -63,8 +52,7 @@ def load_spec(spec: str) -> Implementation:
     if not hasattr(module, attr):
         raise ValueError(f"cannot load implementation {spec!r}: module {module_name!r} has no "
                          f"attribute {attr!r}")
-    impl = _register(as_implementation(getattr(module, attr), f"implementation {spec!r}"),
-                     f"implementation {spec!r}")
+    impl = as_implementation(getattr(module, attr), f"implementation {spec!r}")
     _loaded[spec] = impl
     return impl
 
@@ -95,7 +83,7 @@ def load_entry_point(name: str) -> Implementation | None:
     if impl.name != name:
         raise ValueError(f"{source} provides an implementation named {impl.name!r}; the entry point "
                          f"and the implementation must have the same name")
-    _loaded[key] = _register(impl, source)
+    _loaded[key] = impl
     return impl
 
 

@@ -1,133 +1,48 @@
-"""Implementations under test, declared once (OpInfo-style) and run by every test, fuzzer and auditor.
-
-An implementation computes the expert part of the layer on given routes:
-
-    forward(x, table, weights, config, *, out) -> out
-
-``x`` ``[S, H*Dh]``, ``table`` a :class:`~magi_moe.routing.RouteTable`, ``weights`` an
-:class:`~magi_moe.weights.ExpertWeights`, ``out`` a caller-allocated ``[S, H*Dh]`` tensor of
-``impl.output_dtype(x.dtype)`` that the harness poisons with NaN; every element must be written.
-Routing is tested on its own (SPEC section 1: one flipped expert changes a whole row).
-
-What an implementation declares (its backends, dtypes, precision model and capabilities) is what
-the suite holds it to; tests skip, with the reason, whatever it does not declare.
+"""The implementations under test, by name: magi-moe's own (:data:`magi_moe.impls.BUILTINS`,
+plain data) and outside ones found by :mod:`magi_moe.plugins`. What an implementation is and
+declares lives in :mod:`magi_moe.implementation`; nothing else in magi-moe asks for one by
+name except the user's ``--impl`` and the dispatch policy's choice among the built-ins.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Literal
+from . import plugins
+from .implementation import (CAPABILITIES, PRECISION_MODELS, Implementation, RowLauncher,  # noqa: F401
+                             ShapeRule)
+from .impls import BUILTINS
 
-import torch
+__all__ = ["CAPABILITIES", "PRECISION_MODELS", "Implementation", "RowLauncher", "ShapeRule",
+           "get_implementation", "implementations", "load_implementation", "register"]
 
-from .backends import BACKENDS, Backend
-from .config import MoEConfig
-from .routing import RouteTable
-from .validation import check_tensor
-from .weights import ExpertWeights
-
-ForwardFn = Callable[..., torch.Tensor]
-PrecisionModel = Literal["float64", "bf16-fp32acc", "bf16-fp32acc-atomic", "bf16-plain"]
-
-# Capabilities an implementation may declare; the suite runs the matching checks.
-CAPABILITIES = frozenset({
-    "deterministic",    # bitwise identical output run after run on the same device
-    "int64_offsets",    # safe when token * row_stride passes 2^31
-    "weight_cache",     # keeps a packed copy of the weights (cache rules of SPEC section 5)
-    "no_host_sync",     # no device->host synchronisation once warm
-})
-PRECISION_MODELS = ("float64", "bf16-fp32acc", "bf16-fp32acc-atomic", "bf16-plain")
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """One implementation of the expert computation and what it promises.
-
-    ``precision``: ``float64`` (the oracle), ``bf16-fp32acc`` (the fast paths' precision points
-    of SPEC section 1: bf16 operands, fp32 accumulation, one bf16 rounding of the SwiGLU7
-    output, fp32 routing weight and top-k sum, one final rounding), ``bf16-fp32acc-atomic``
-    (the same with the top-k sum done by fp32 atomics, which flush subnormals to zero on NVIDIA
-    GPUs) or ``bf16-plain`` (the plain PyTorch baseline that rounds every matmul result).
-    """
-
-    name: str
-    forward: ForwardFn
-    backends: tuple[str, ...]
-    precision: PrecisionModel
-    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
-    capabilities: frozenset[str] = field(default_factory=frozenset)
-    description: str = ""
-
-    def __post_init__(self) -> None:
-        if not self.name or any(c.isspace() for c in self.name):
-            raise ValueError(f"Implementation.name must be a non-empty word, got {self.name!r}")
-        if not callable(self.forward):
-            raise ValueError(f"Implementation {self.name!r}: forward must be callable")
-        unknown = set(self.backends) - set(BACKENDS)
-        if not self.backends or unknown:
-            raise ValueError(f"Implementation {self.name!r}: backends must be a non-empty subset "
-                             f"of {sorted(BACKENDS)}, got {self.backends}")
-        if self.precision not in PRECISION_MODELS:
-            raise ValueError(f"Implementation {self.name!r}: precision must be one of "
-                             f"{PRECISION_MODELS}, got {self.precision!r}")
-        object.__setattr__(self, "capabilities", frozenset(self.capabilities))
-        unknown = self.capabilities - CAPABILITIES
-        if unknown:
-            raise ValueError(f"Implementation {self.name!r}: unknown capabilities {sorted(unknown)}; "
-                             f"known: {sorted(CAPABILITIES)}")
-
-    @property
-    def deterministic(self) -> bool:
-        return "deterministic" in self.capabilities
-
-    def output_dtype(self, input_dtype: torch.dtype) -> torch.dtype:
-        return torch.float64 if self.precision == "float64" else input_dtype
-
-    def skip_reason(self, backend: Backend | str, dtype: torch.dtype | None = None,
-                    needs: tuple[str, ...] = ()) -> str | None:
-        """Why this implementation cannot run a check here, or None when it can."""
-        backend = BACKENDS[backend] if isinstance(backend, str) else backend
-        if backend.name not in self.backends:
-            return f"{self.name} does not declare backend {backend.name}"
-        why = backend.unavailable_reason()
-        if why:
-            return f"backend {backend.name} unavailable: {why}"
-        if dtype is not None and dtype not in self.dtypes:
-            return f"{self.name} does not declare dtype {dtype}"
-        missing = [n for n in needs if n not in self.capabilities]
-        if missing:
-            return f"{self.name} does not declare {', '.join(missing)}"
-        return None
-
-    def __call__(self, x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
-                 config: MoEConfig, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:
-            check_tensor("x", x)
-            out = torch.empty(x.shape, dtype=self.output_dtype(x.dtype), device=x.device)
-        return self.forward(x, table, weights, config, out=out)
-
-
-_REGISTRY: dict[str, Implementation] = {}
+_REGISTRY: dict[str, Implementation] = {impl.name: impl for impl in BUILTINS}
 
 
 def register(impl: Implementation, *, replace: bool = False) -> Implementation:
-    if impl.name in _REGISTRY and not replace:
-        raise ValueError(f"an implementation named {impl.name!r} is already registered")
+    """Add ``impl`` under its name; a name taken by a different implementation is refused
+    (results would be reported under a name that means two things) unless ``replace``."""
+    if not isinstance(impl, Implementation):
+        raise TypeError(f"impl must be an Implementation, got {type(impl).__name__}")
+    taken = _REGISTRY.get(impl.name)
+    if taken is not None and taken is not impl and not replace:
+        raise ValueError(f"an implementation named {impl.name!r} is already registered; give "
+                         f"yours its own name so that its results are reported under it")
     _REGISTRY[impl.name] = impl
     return impl
 
 
-def get_implementation(name: str) -> Implementation:
+def get_implementation(name: str | Implementation) -> Implementation:
     """A registered implementation by name, or an outside one (:mod:`magi_moe.plugins`):
     ``package.module:attribute``, or the name of an installed entry point of the group
-    ``magi_moe.implementations``."""
-    _register_builtins()
+    ``magi_moe.implementations``. An Implementation is returned as it is."""
+    if isinstance(name, Implementation):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(f"implementation must be a name (str) or an Implementation, "
+                        f"got {type(name).__name__}")
     if name in _REGISTRY:
         return _REGISTRY[name]
-    from . import plugins
-
-    impl = plugins.resolve(name)
-    if impl is not None:
-        return impl
+    found = plugins.resolve(name)
+    if found is not None:
+        return register(found)
     installed = plugins.entry_point_names()
     raise ValueError(f"implementation must be one of {sorted(_REGISTRY)}, an entry point of group "
                      f"{plugins.ENTRY_POINT_GROUP!r} (installed: {installed or 'none'}) or "
@@ -135,24 +50,10 @@ def get_implementation(name: str) -> Implementation:
 
 
 def load_implementation(spec: str) -> Implementation:
-    """Import ``package.module:attribute``: an Implementation, or a zero-argument factory of one.
-
-    Loaded once per process and registered under its own name (see :func:`magi_moe.plugins.load_spec`)."""
-    from . import plugins
-
-    return plugins.load_spec(spec)
+    """Import ``package.module:attribute``: an Implementation, or a zero-argument factory of one,
+    loaded once per process and registered under its own name."""
+    return register(plugins.load_spec(spec))
 
 
 def implementations() -> list[Implementation]:
-    _register_builtins()
     return list(_REGISTRY.values())
-
-
-_builtins_done = False
-
-
-def _register_builtins() -> None:
-    global _builtins_done
-    if not _builtins_done:
-        _builtins_done = True
-        from . import impls  # noqa: F401  (registers magi-moe's own on import)

@@ -25,8 +25,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fuzz.huge import register_launcher
-
 __all__ = ["CachedToyLayer", "SnapshotCache", "VersionKeyedCache", "empty_expert_garbage",
            "int32_offsets", "launch_native_int32", "route_ties_to_higher_index",
            "segfault_from_three_tokens", "snapshot_cache_layer", "stale_cache_layer"]
@@ -35,7 +33,7 @@ from magi_moe.config import MoEConfig
 from magi_moe.kernels.native import block_schedule, choose_tiles
 from magi_moe.layer import MagiMoE
 from magi_moe.reference import expert_reference, swiglu7
-from magi_moe.registry import Implementation
+from magi_moe.implementation import Implementation, RowLauncher
 from magi_moe.routing import (Routes, build_route_table, route, route_probs, router_logits,
                               scores_from_logits)
 from magi_moe.weights import ExpertWeights
@@ -119,8 +117,8 @@ def _int32_forward(x, table, weights, config, *, out):
 int32_offsets = Implementation(
     "broken-int32-offsets", _int32_forward, ("interpret", "cuda"), "bf16-fp32acc",
     capabilities={"int64_offsets"},  # claims it, wrongly: the huge fuzzer must catch the lie
+    launcher=RowLauncher("tests.fuzz_broken:launch_native_int32", "accumulate"),
     description="BROKEN on purpose: the native kernel with int32 token * row_stride")
-register_launcher(int32_offsets.name, "tests.fuzz_broken:launch_native_int32", deterministic=False)
 
 
 # -- wrong tie order --------------------------------------------------------------------------------

@@ -19,7 +19,6 @@ def keep_global_state():
     """main() restores the thread count itself; implementations it loads by
     ``package.module:attr`` stay registered, so the registry is restored here."""
     threads = torch.get_num_threads()
-    registry._register_builtins()
     saved = dict(registry._REGISTRY)
     yield
     registry._REGISTRY.clear()

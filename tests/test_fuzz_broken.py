@@ -11,7 +11,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from fuzz import fuzzers
-from fuzz.huge import HugeCase, first_overflowing_token
+from fuzz.cases import HugeCase, first_overflowing_token
 from fuzz.properties import check_huge_offsets, make_target
 from fuzz.record import PropertyViolation
 from fuzz.stateful import weight_swap_machine

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from fuzz import fuzzers, profiles
-from fuzz.huge import (HugeCase, build_huge_problem, first_overflowing_token, huge_cases,
-                       launcher_for)
+from fuzz.cases import HugeCase, first_overflowing_token
+from fuzz.huge import build_huge_problem
+from fuzz.strategies import huge_cases
 from fuzz.properties import campaign_target
 from magi_moe.config import preset
 from magi_moe.routing import validate_route_table
@@ -62,7 +63,5 @@ def test_huge_cases_stay_in_range_when_one_token_passes_the_boundary(case):
 @given(data=st.data())
 def test_huge_offsets(impl_backend, data):
     target = fuzzers.pytest_target(impl_backend, "huge_offsets")
-    if launcher_for(target.impl.name) is None and target.backend.name != "cuda":
-        pytest.skip(f"{target.impl.name} has no huge-input launcher (fuzz.huge.register_launcher)")
     case, params = data.draw(fuzzers.case_strategy("huge_offsets", target), label="case, params")
     fuzzers.run("huge_offsets", target, case, params)

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from fuzz import profiles
 from fuzz.cases import (ExpertCase, RoutingSpec, TieCase, ValueSpec, build_problem, build_router_inputs,
                         build_values, case_from_dict, case_to_dict, drop_banks, dumps)
-from fuzz.huge import HugeCase, first_overflowing_token, huge_cases
+from fuzz.cases import HugeCase, first_overflowing_token
+from fuzz.strategies import huge_cases
 from fuzz.strategies import (AWKWARD_TOKEN_COUNTS, Limits, configs, empty_bank_sets, expert_cases,
                              routing_specs, tie_cases, token_counts, value_specs)
 from magi_moe.config import preset

@@ -31,7 +31,6 @@ SPEC = "tests.outside_impl_example:IMPL"
 @pytest.fixture(autouse=True)
 def _restore_registry(monkeypatch):
     """Implementations loaded by a test do not outlive it (the process registry is global)."""
-    registry._register_builtins()
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     monkeypatch.setattr(plugins, "_loaded", dict(plugins._loaded))
 
@@ -155,7 +154,7 @@ def test_spec_loads_the_example_once_under_its_own_name():
 @pytest.mark.parametrize("spec,message", [
     ("tests.outside_impl_example:NOPE", "has no attribute 'NOPE'"),
     ("magi_no_such_module:IMPL", "importing 'magi_no_such_module' failed"),
-    ("tests.outside_impl_example:CHUNK_BYTES", "must be a magi_moe.registry.Implementation"),
+    ("tests.outside_impl_example:CHUNK_BYTES", "must be a magi_moe.implementation.Implementation"),
     (":IMPL", "must look like 'package.module:attribute'"),
     ("no-such-implementation", "an entry point of group .magi_moe.implementations."),
 ])
@@ -188,7 +187,7 @@ def test_broken_entry_points_are_refused_with_the_reason(broken_dir, monkeypatch
 def test_an_outside_implementation_cannot_take_a_builtin_name(broken_dir, monkeypatch):
     monkeypatch.syspath_prepend(str(broken_dir))
     native = get_implementation("native")
-    with pytest.raises(ValueError, match="'native', which another implementation already has"):
+    with pytest.raises(ValueError, match="named 'native' is already registered"):
         get_implementation("magi_broken_plugins:CLASH")
     assert get_implementation("native") is native
 

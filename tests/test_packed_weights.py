@@ -143,12 +143,29 @@ def test_swaps_are_detected_and_repacked(swap):
         wu.add_(1.0)  # still an ordinary, writable parameter (also after an inference tensor)
 
 
-def test_load_state_dict_with_assign_replaces_the_parameters():
+def test_load_state_dict_with_assign_refills_the_bank_in_place():
+    """The CUDA-graph promise: assign=True with tensors that fit the existing ones (shape,
+    dtype, device) copies into the existing storage, so a captured graph stays valid."""
     layer = MagiMoE(CFG, impl="fused")
+    bank_ptr, down_ptr = layer.W_gate.data_ptr(), layer.W_down.data_ptr()
     sd = {k: v.clone() for k, v in layer.state_dict().items()}
     sd["W_gate"] = fresh_like(layer.W_gate, 10)
+    sd["W_down"] = fresh_like(layer.W_down, 11)
     layer.load_state_dict(sd, assign=True)
-    assert not layer.weight_cache.is_current(layer.W_gate, layer.W_up)
+    assert layer.weight_cache.is_current(layer.W_gate, layer.W_up)
+    assert layer.W_gate.data_ptr() == bank_ptr and layer.W_down.data_ptr() == down_ptr
+    assert torch.equal(layer.W_gate, sd["W_gate"]) and torch.equal(layer.W_down, sd["W_down"])
+    layer.weight_cache.ensure(layer.W_gate, layer.W_up)
+    assert layer.weight_cache.pack_count == 1, "a refill in place needs no repack"
+
+
+def test_load_state_dict_with_assign_still_swaps_what_does_not_fit():
+    layer = MagiMoE(CFG, impl="fused")
+    sd = {k: v.clone() for k, v in layer.state_dict().items()}
+    sd["W_gate"] = fresh_like(layer.W_gate, 10).float().to(layer.W_gate.dtype)
+    sd["W_down"] = fresh_like(layer.W_down, 11).float()  # another dtype: assigned as given
+    layer.load_state_dict(sd, assign=True)
+    assert layer.W_down.dtype == torch.float32 and not layer.weight_cache.is_current(layer.W_gate, layer.W_up)
     layer.weight_cache.ensure(layer.W_gate, layer.W_up)
     assert layer.weight_cache.pack_count == 2 and torch.equal(layer.W_gate, sd["W_gate"])
 

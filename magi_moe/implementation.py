@@ -1,0 +1,269 @@
+"""What an implementation under test is and what it promises: one declaration, read by every
+test, fuzzer, auditor, the layer and the benchmark (OpInfo-style). A leaf module: it imports no
+other part of magi-moe at load time, so the registry, the built-ins and outside plugins all
+build on it without an import circle.
+
+An implementation computes the expert part of the layer on given routes:
+
+    forward(x, table, weights, config, *, out) -> out
+
+``x`` ``[S, H*Dh]``, ``table`` a :class:`~magi_moe.routing.RouteTable`, ``weights`` an
+:class:`~magi_moe.weights.ExpertWeights`, ``out`` a caller-allocated ``[S, H*Dh]`` tensor of
+``impl.output_dtype(x.dtype)`` that the harness poisons with NaN; every element must be written.
+
+Beside the forward it declares:
+
+- ``backends``, ``dtypes``, ``precision`` and ``capabilities``: where it runs and what the
+  suite holds it to;
+- ``shapes`` (:class:`ShapeRule`): the widths it accepts. Strategies draw inside the rule, so a
+  kernel restricted to wide heads is fuzzed at the widths it really runs
+  (:meth:`Implementation.supports` says why a shape is outside);
+- ``layer_factory``: its own ``nn.Module`` built from a released-layout state dict
+  (:meth:`Implementation.layer`); by default magi-moe's :class:`~magi_moe.layer.MagiMoE` around
+  this forward. Every layer-level check (weight cache, weight swaps, CUDA graphs, determinism,
+  discipline) runs on that module through its own parameters and its own cache;
+- ``layer_forward``: a whole-layer fast path (routing included) that ``MagiMoE`` takes for this
+  implementation instead of torch routing + ``forward``;
+- ``launcher``: a kernel-level entry with a caller-owned accumulator that lets the huge-offset
+  fuzzer run tokens past 2^31 on lazily allocated memory (:class:`RowLauncher`);
+- ``prepare_weights``: what a serving stack does once before timing (e.g. packing), used by
+  the benchmark's kernel-level paths.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
+
+import torch
+
+if TYPE_CHECKING:  # imported for annotations only: this module stays a leaf
+    from torch import nn
+
+    from .backends import Backend
+    from .config import MoEConfig
+
+ForwardFn = Callable[..., torch.Tensor]
+LayerFactory = Callable[["MoEConfig", Mapping[str, torch.Tensor], Any], "nn.Module"]
+PrecisionModel = Literal["float64", "bf16-fp32acc", "bf16-fp32acc-atomic", "bf16-plain"]
+PRECISION_MODELS = ("float64", "bf16-fp32acc", "bf16-fp32acc-atomic", "bf16-plain")
+
+# Capabilities an implementation may declare; the suite runs the matching checks.
+CAPABILITIES = frozenset({
+    "deterministic",    # bitwise identical output run after run on the same device
+    "int64_offsets",    # safe when token * row_stride passes 2^31
+    "weight_cache",     # its layer keeps a packed copy of the weights (cache rules, CONTRACT 5)
+    "no_host_sync",     # no device->host synchronisation once warm
+    "strided_weights",  # forward accepts non-contiguous weight views (else the layer densifies)
+})
+
+
+@dataclass(frozen=True)
+class ShapeRule:
+    """The shapes an implementation accepts, declared in a form strategies can draw from.
+
+    Widths are also multiples of :data:`magi_moe.config.WIDTH_MULTIPLE` (16) for every
+    implementation; a rule narrows that. ``min_*``/``max_*`` bound the widths (0: no bound)."""
+
+    head_dim_multiple: int = 1
+    intermediate_multiple: int = 1
+    head_dim_power_of_two: bool = False
+    min_head_dim: int = 0
+    max_head_dim: int = 0
+    max_top_k: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("head_dim_multiple", "intermediate_multiple"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ShapeRule.{name} must be an int >= 1, got {value!r}")
+        for name in ("min_head_dim", "max_head_dim", "max_top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"ShapeRule.{name} must be an int >= 0, got {value!r}")
+        if self.max_head_dim and self.max_head_dim < max(self.min_head_dim, self.head_dim_multiple):
+            raise ValueError(f"ShapeRule: max_head_dim {self.max_head_dim} admits no head width "
+                             f"(min_head_dim {self.min_head_dim}, multiple {self.head_dim_multiple})")
+
+    def reason(self, config: "MoEConfig") -> str | None:
+        """Why ``config`` is outside the rule, or None."""
+        Dh, I = config.head_dim, config.intermediate_size
+        if Dh % self.head_dim_multiple:
+            return f"head_dim must be a multiple of {self.head_dim_multiple}, got {Dh}"
+        if self.head_dim_power_of_two and Dh & (Dh - 1):
+            return f"head_dim must be a power of two, got {Dh}"
+        if Dh < self.min_head_dim:
+            return f"head_dim must be >= {self.min_head_dim}, got {Dh}"
+        if self.max_head_dim and Dh > self.max_head_dim:
+            return f"head_dim must be <= {self.max_head_dim}, got {Dh}"
+        if I % self.intermediate_multiple:
+            return f"intermediate_size must be a multiple of {self.intermediate_multiple}, got {I}"
+        if self.max_top_k and config.top_k > self.max_top_k:
+            return f"top_k must be <= {self.max_top_k}, got {config.top_k}"
+        return None
+
+    def head_dims(self, low: int, high: int, *, multiple: int = 16) -> list[int]:
+        """Every accepted head width in ``[low, high]`` that is also a multiple of ``multiple``."""
+        step = math.lcm(multiple, self.head_dim_multiple)
+        low = max(low, self.min_head_dim)
+        high = min(high, self.max_head_dim) if self.max_head_dim else high
+        first = -(-low // step) * step
+        return [d for d in range(first, high + 1, step)
+                if not self.head_dim_power_of_two or d & (d - 1) == 0]
+
+    def intermediate_sizes(self, low: int, high: int, *, multiple: int = 16) -> list[int]:
+        step = math.lcm(multiple, self.intermediate_multiple)
+        first = -(-low // step) * step
+        return list(range(first, high + 1, step))
+
+
+ANY_SHAPE = ShapeRule()
+
+
+@dataclass(frozen=True)
+class RowLauncher:
+    """A kernel-level entry point for the huge-offset fuzzer: ``package.module:attr`` with the
+    signature ``launch(x, table, weights, config, accumulator, *, deterministic)``.
+
+    ``writes="route_rows"``: ``accumulator`` is ``[R, Dh]`` fp32, one row per route;
+    ``writes="accumulate"``: it is the ``[S, H*Dh]`` fp32 sum, added into."""
+
+    spec: str
+    writes: Literal["route_rows", "accumulate"]
+
+    def __post_init__(self) -> None:
+        module, _, attr = self.spec.partition(":")
+        if not module or not attr:
+            raise ValueError(f"RowLauncher.spec must look like 'package.module:attr', got {self.spec!r}")
+        if self.writes not in ("route_rows", "accumulate"):
+            raise ValueError(f"RowLauncher.writes must be 'route_rows' or 'accumulate', got {self.writes!r}")
+
+    @property
+    def deterministic(self) -> bool:
+        return self.writes == "route_rows"
+
+
+def _check_callable(owner: str, name: str, value) -> None:
+    if value is not None and not callable(value):
+        raise ValueError(f"Implementation {owner!r}: {name} must be callable or None, "
+                         f"got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """One implementation of the expert computation and what it promises.
+
+    ``precision``: ``float64`` (the oracle), ``bf16-fp32acc`` (the fast paths' precision points
+    of CONTRACT section 1: bf16 operands, fp32 accumulation, one bf16 rounding of the SwiGLU7
+    output, fp32 routing weight and top-k sum, one final rounding), ``bf16-fp32acc-atomic``
+    (the same with the top-k sum done by fp32 atomics, which flush subnormals to zero on NVIDIA
+    GPUs) or ``bf16-plain`` (the plain PyTorch baseline that rounds every matmul result).
+    """
+
+    name: str
+    forward: ForwardFn
+    backends: tuple[str, ...]
+    precision: PrecisionModel
+    dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+    capabilities: frozenset[str] = field(default_factory=frozenset)
+    description: str = ""
+    shapes: ShapeRule = ANY_SHAPE
+    layer_factory: LayerFactory | None = None
+    layer_forward: Callable[..., torch.Tensor] | None = None
+    launcher: RowLauncher | None = None
+    prepare_weights: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        from .backends import BACKENDS  # a leaf at import time; backends needs only torch
+
+        if not isinstance(self.name, str) or not self.name or any(c.isspace() for c in self.name):
+            raise ValueError(f"Implementation.name must be a non-empty word, got {self.name!r}")
+        if not callable(self.forward):
+            raise ValueError(f"Implementation {self.name!r}: forward must be callable")
+        object.__setattr__(self, "backends", tuple(self.backends))
+        unknown = set(self.backends) - set(BACKENDS)
+        if not self.backends or unknown:
+            raise ValueError(f"Implementation {self.name!r}: backends must be a non-empty subset "
+                             f"of {sorted(BACKENDS)}, got {self.backends}")
+        if self.precision not in PRECISION_MODELS:
+            raise ValueError(f"Implementation {self.name!r}: precision must be one of "
+                             f"{PRECISION_MODELS}, got {self.precision!r}")
+        object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        if not self.dtypes or not all(isinstance(d, torch.dtype) and d.is_floating_point
+                                      for d in self.dtypes):
+            raise ValueError(f"Implementation {self.name!r}: dtypes must be a non-empty tuple of "
+                             f"floating torch dtypes, got {self.dtypes}")
+        object.__setattr__(self, "capabilities", frozenset(self.capabilities))
+        unknown = self.capabilities - CAPABILITIES
+        if unknown:
+            raise ValueError(f"Implementation {self.name!r}: unknown capabilities {sorted(unknown)}; "
+                             f"known: {sorted(CAPABILITIES)}")
+        if not isinstance(self.shapes, ShapeRule):
+            raise ValueError(f"Implementation {self.name!r}: shapes must be a ShapeRule, "
+                             f"got {type(self.shapes).__name__}")
+        if self.launcher is not None and not isinstance(self.launcher, RowLauncher):
+            raise ValueError(f"Implementation {self.name!r}: launcher must be a RowLauncher or None, "
+                             f"got {type(self.launcher).__name__}")
+        if self.launcher is not None and self.launcher.deterministic != self.deterministic:
+            raise ValueError(f"Implementation {self.name!r}: a launcher writing "
+                             f"{self.launcher.writes!r} contradicts deterministic="
+                             f"{self.deterministic}: the huge fuzzer would test another variant")
+        for name in ("layer_factory", "layer_forward", "prepare_weights"):
+            _check_callable(self.name, name, getattr(self, name))
+
+    @property
+    def deterministic(self) -> bool:
+        return "deterministic" in self.capabilities
+
+    def output_dtype(self, input_dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if self.precision == "float64" else input_dtype
+
+    def supports(self, config: "MoEConfig", dtype: torch.dtype | None = None) -> str | None:
+        """None when this implementation accepts ``config`` (and ``dtype``, default the
+        config's), else the reason. An error raised outside this is "unsupported"; an error
+        raised inside it is a failure."""
+        dtype = config.dtype if dtype is None else dtype
+        if dtype not in self.dtypes:
+            return f"{self.name} does not declare dtype {dtype}"
+        why = self.shapes.reason(config)
+        return f"{self.name}: {why}" if why else None
+
+    def skip_reason(self, backend: "Backend | str", dtype: torch.dtype | None = None,
+                    needs: tuple[str, ...] = ()) -> str | None:
+        """Why this implementation cannot run a check here, or None when it can."""
+        from .backends import BACKENDS
+
+        backend = BACKENDS[backend] if isinstance(backend, str) else backend
+        if backend.name not in self.backends:
+            return f"{self.name} does not declare backend {backend.name}"
+        why = backend.unavailable_reason()
+        if why:
+            return f"backend {backend.name} unavailable: {why}"
+        if dtype is not None and dtype not in self.dtypes:
+            return f"{self.name} does not declare dtype {dtype}"
+        missing = [n for n in needs if n not in self.capabilities]
+        if missing:
+            return f"{self.name} does not declare {', '.join(missing)}"
+        return None
+
+    def layer(self, config: "MoEConfig", state_dict: Mapping[str, torch.Tensor],
+              device=None) -> "nn.Module":
+        """This implementation's own layer, loaded from a released-layout state dict (``gate``,
+        ``W_gate``, ``W_up``, ``W_down``, ``router.expert_bias``, ``router.expert_bias_ema``);
+        ``forward(x)`` returns ``y``. Tensors are moved to ``device`` when given."""
+        if device is not None:
+            state_dict = {k: v.to(device) for k, v in state_dict.items()}
+        if self.layer_factory is not None:
+            return self.layer_factory(config, state_dict, device)
+        from .layer import MagiMoE
+
+        return MagiMoE.from_state_dict(state_dict, config, impl=self)
+
+    def __call__(self, x: torch.Tensor, table, weights, config: "MoEConfig", *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            from .validation import check_tensor
+
+            check_tensor("x", x)
+            out = torch.empty(x.shape, dtype=self.output_dtype(x.dtype), device=x.device)
+        return self.forward(x, table, weights, config, out=out)
