@@ -1,0 +1,192 @@
+"""magi-moe's pytest plugin: the implementation under test as a test parameter, and no green
+run that tested nothing.
+
+Installed as a ``pytest11`` entry point (so ``pytest --pyargs magi_moe.tests --impl mypkg:IMPL``
+works from any directory) and loaded by the checkout's ``tests/conftest.py``. It stays inert
+in test suites that do not use it: only tests asking for ``impl_backend`` are parametrized and
+counted.
+
+``--impl NAME`` (repeatable; a registered name, ``package.module:attr`` or an entry point) and
+``--backend NAME`` (repeatable) narrow the matrix; by default every registered implementation
+runs on every backend it declares, and a pair whose backend is missing here is skipped with the
+reason. Tests ask for ``impl_backend`` (an :class:`ImplOnBackend`) and get one test per pair,
+named ``[native@interpret]`` so ``-k`` selects them; ``@pytest.mark.needs("deterministic")``
+narrows to implementations declaring capabilities, ``@pytest.mark.kernels_only`` drops the
+float64 oracle.
+
+A run in which an implementation named by ``--impl`` ran no test, or in which every
+implementation test was skipped, fails with exit status 5 and says why (the most common skip
+reasons), unless ``--allow-vacuous`` is given.
+"""
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import pytest
+
+from .backends import BACKENDS, Backend
+from .implementation import Implementation
+from .registry import get_implementation, implementations
+
+VACUOUS_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED  # 5: "nothing was tested"
+_IMPL_PROPERTY = "magi_moe_impl"
+
+
+@dataclass(frozen=True)
+class ImplOnBackend:
+    impl: Implementation
+    backend: Backend
+
+    @property
+    def device(self) -> str:
+        return self.backend.device
+
+    def __str__(self) -> str:
+        return f"{self.impl.name}@{self.backend.name}"
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("magi-moe")
+    group.addoption("--impl", action="append", default=[],
+                    help="implementation under test: a registered name, package.module:attr, or an "
+                         "installed entry point of group magi_moe.implementations; repeatable")
+    group.addoption("--backend", action="append", default=[],
+                    help=f"backend to test, one of {sorted(BACKENDS)}; repeatable (default: all)")
+    group.addoption("--allow-vacuous", action="store_true",
+                    help="exit 0 even when an implementation asked for ran no test")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs(*capabilities): run only implementations declaring them")
+    config.addinivalue_line("markers", "kernels_only: skip the float64 oracle itself")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skips cleanly without one)")
+    config.addinivalue_line("markers", "interpret: runs Triton kernels under the CPU interpreter")
+    config._magi_moe_tally = Tally(config)
+    config.pluginmanager.register(config._magi_moe_tally, "magi_moe_tally")
+
+
+def selected_impls(config) -> list[Implementation]:
+    names = config.getoption("--impl")
+    try:
+        return [get_implementation(n) for n in names] if names else implementations()
+    except (ValueError, TypeError) as exc:
+        raise pytest.UsageError(f"--impl: {exc}") from None
+
+
+def selected_backends(config) -> list[Backend]:
+    names = config.getoption("--backend") or list(BACKENDS)
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise pytest.UsageError(f"--backend must be one of {sorted(BACKENDS)}, got {unknown}")
+    return [BACKENDS[n] for n in names]
+
+
+def impl_backend_params(config, *, needs: tuple[str, ...] = (), kernels_only: bool = False):
+    """Every selected (implementation, backend) pair as a ``pytest.param``; a pair that cannot
+    run here is marked skip with the reason."""
+    params = []
+    for impl in selected_impls(config):
+        if kernels_only and impl.precision == "float64":
+            continue
+        for backend in selected_backends(config):
+            if backend.name not in impl.backends:
+                continue
+            pair = ImplOnBackend(impl, backend)
+            marks = [getattr(pytest.mark, backend.name)] if backend.name in ("cuda", "interpret") else []
+            reason = impl.skip_reason(backend, needs=needs)
+            if reason:
+                marks.append(pytest.mark.skip(reason=reason))
+            params.append(pytest.param(pair, id=str(pair), marks=marks))
+    return params
+
+
+def pytest_generate_tests(metafunc):
+    if "impl_backend" not in metafunc.fixturenames:
+        return
+    needs_mark = metafunc.definition.get_closest_marker("needs")
+    params = impl_backend_params(
+        metafunc.config, needs=tuple(needs_mark.args) if needs_mark else (),
+        kernels_only=metafunc.definition.get_closest_marker("kernels_only") is not None)
+    metafunc.parametrize("impl_backend", params or [pytest.param(None, marks=pytest.mark.skip(
+        reason="no implementation/backend pair selected"))])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    callspec = getattr(item, "callspec", None)
+    if report.when in ("setup", "call") and callspec is not None and "impl_backend" in callspec.params:
+        pair = callspec.params["impl_backend"]
+        # user_properties travel with the report, also from xdist workers
+        report.user_properties.append(
+            (_IMPL_PROPERTY, pair.impl.name if isinstance(pair, ImplOnBackend) else ""))
+
+
+class Tally:
+    """Per implementation: tests run (passed or failed) and skip reasons, from test reports."""
+
+    def __init__(self, config):
+        self.config = config
+        self.ran: Counter[str] = Counter()
+        self.skipped: dict[str, Counter[str]] = defaultdict(Counter)
+        self.impl_tests = 0
+
+    def pytest_runtest_logreport(self, report) -> None:
+        """Each test report (in the xdist controller for its workers' reports too)."""
+        name = next((v for k, v in report.user_properties if k == _IMPL_PROPERTY), None)
+        if name is None:
+            return
+        if report.skipped and report.when in ("setup", "call"):
+            self.impl_tests += 1
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.skipped[name or "(none)"][reason.removeprefix("Skipped: ")] += 1
+        elif report.when == "call":
+            self.impl_tests += 1
+            self.ran[name] += 1
+
+    def problems(self) -> list[str]:
+        """Why this run tested nothing it was asked to, or an empty list."""
+        asked = self.config.getoption("--impl")
+        out = []
+        if asked:
+            for spec in asked:
+                impl = get_implementation(spec)
+                if not self.ran[impl.name]:
+                    out.append(self._explain(f"--impl {spec} ran no test", impl.name))
+        elif self.impl_tests and not sum(self.ran.values()):
+            out.append(self._explain("every implementation test was skipped", None))
+        return out
+
+    def _explain(self, head: str, name: str | None) -> str:
+        reasons = Counter()
+        for impl, counter in self.skipped.items():
+            if name is None or impl == name:
+                reasons.update(counter)
+        if not reasons:
+            return f"{head}: none was selected (check -k, -m and --backend)"
+        top = "; ".join(f"{n} x {r}" for r, n in reasons.most_common(3))
+        return f"{head}: {sum(reasons.values())} skipped ({top})"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    config = session.config
+    tally = getattr(config, "_magi_moe_tally", None)
+    if tally is None or exitstatus != pytest.ExitCode.OK or config.getoption("--allow-vacuous"):
+        return
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller decides
+        return
+    problems = tally.problems()
+    if problems:
+        config._magi_moe_vacuous = problems
+        session.exitstatus = VACUOUS_EXIT
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    problems = getattr(config, "_magi_moe_vacuous", None)
+    if problems:
+        terminalreporter.section("magi-moe: nothing was tested", sep="=", red=True, bold=True)
+        for line in problems:
+            terminalreporter.line(line, red=True)
+        terminalreporter.line("(exit status 5; --allow-vacuous accepts such a run)")
