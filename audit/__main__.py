@@ -1,16 +1,20 @@
 """``python -m audit``: run every auditor and write the report (see :mod:`audit.report`).
 
-    python -m audit                                  # CPU: reference + torch-bf16 (+ kernels
-                                                     #      when TRITON_INTERPRET=1 is set)
+    python -m audit                                  # CPU: reference + torch-bf16, and the
+                                                     #      Triton kernels under the interpreter
     python -m audit --backend interpret              # the Triton kernels under the interpreter
     python -m audit --backend cuda                   # production shapes on a GPU
     python -m audit --impl native --impl mypkg.mod:impl --preset small --tokens 256 --out DIR
 
-Exit status 1 when any check fails, 2 on bad arguments.
+Exit status 1 when any check fails, 2 on bad arguments, 3 when no implementation under test
+ran (every one skipped: a green audit that audited nothing), unless ``--allow-no-kernels``.
+On the CPU backend the Triton kernels are audited under the interpreter: ``TRITON_INTERPRET=1``
+is set for the run when Triton is installed (``--no-kernels`` audits the torch paths only).
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -42,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-mpcheck", action="store_true", help="skip the mpmath validation")
     p.add_argument("--failure-probability", type=float, default=1e-4,
                    help="false-alarm probability of the probabilistic bounds (default 1e-4)")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="on the cpu backend, do not enable the Triton interpreter (torch paths only)")
+    p.add_argument("--allow-no-kernels", action="store_true",
+                   help="exit 0 even when no implementation under test ran (every one skipped)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default on the CPU backends: 1; the audit's many small "
                         "ops run fastest single-threaded, by far on a loaded machine)")
@@ -57,9 +65,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.backend == "interpret":
+    enable_interpreter = args.backend == "interpret" or (
+        args.backend == "cpu" and not args.no_kernels and importlib.util.find_spec("triton") is not None)
+    if enable_interpreter and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if "magi_moe.kernels" in sys.modules:
+            print("the Triton kernels were imported before the audit could enable the interpreter; "
+                  "set TRITON_INTERPRET=1 before starting Python", file=sys.stderr)
+            return 2
         # Read when kernels are decorated: set before anything imports magi_moe.kernels.
         os.environ["TRITON_INTERPRET"] = "1"
+        print("audit: TRITON_INTERPRET=1 set for this run, so the Triton kernels are audited "
+              "under the CPU interpreter (--no-kernels to skip them)", flush=True)
     import torch
 
     from magi_moe.config import PRESETS
@@ -86,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         backend=args.backend, impls=args.impl, presets=args.preset, tokens=args.tokens,
         seed=args.seed, out=args.out, probes=tuple(args.probe) or PROBES,
         determinism_runs=args.runs, controls=not args.no_controls,
-        mp_validation=not args.no_mpcheck, failure_probability=args.failure_probability)
+        mp_validation=not args.no_mpcheck, failure_probability=args.failure_probability,
+        allow_no_kernels=args.allow_no_kernels)
     audit = Audit(options)
     if not audit.backend.available and args.backend != "cpu":
         print(f"backend {args.backend} unavailable: {audit.backend.unavailable_reason()}",

@@ -22,7 +22,7 @@ from magi_moe.config import preset
 from magi_moe.layer import MagiMoE
 from magi_moe.problems import Problem, run_poisoned
 from magi_moe.implementation import Implementation
-from magi_moe.impls import BASELINE
+from magi_moe.impls import BASELINE, REFERENCE
 from magi_moe.registry import get_implementation, implementations
 
 from . import mpcheck
@@ -51,6 +51,7 @@ class AuditOptions:
     controls: bool = True
     mp_validation: bool = True
     failure_probability: float = DEFAULT_FAILURE_PROBABILITY
+    allow_no_kernels: bool = False
 
     def resolved_presets(self) -> list[str]:
         if self.presets:
@@ -134,8 +135,62 @@ class Audit:
         self.section_determinism(problems)
         self.section_cache()
         self.section_discipline(problems)
+        self.section_graphs()
+        self.section_coverage()
         self.write()
-        return 1 if self.failed else 0
+        if self.failed:
+            return 1
+        return 3 if self.vacuous else 0
+
+    def section_graphs(self) -> None:
+        """CUDA-graph replay after each weight-change route, on each implementation's own layer
+        (:mod:`audit.graphs`): graph-safe, stale (a finding unless the layer promises a
+        recapture, which must then work) or refused."""
+        if self.device.type != "cuda":
+            self.add("graphs", "CUDA-graph replay", SKIP, "CUDA only")
+            return
+        from .graphs import audit_graph_replay
+
+        config = preset("small")
+        for impl in self.selected_impls():
+            why = self.runnable_here(impl) or impl.supports(config)
+            if why:
+                self.add("graphs", impl.name, SKIP, why)
+                continue
+
+            def show(r, impl=impl):
+                self.add("graphs", f"{impl.name}: {r.route}/{r.parameter}", PASS if r.ok else FAIL,
+                         f"{r.status} (promised {r.promised}): {r.detail}", r.to_dict())
+
+            audit_graph_replay(impl.layer, config, device=self.device, seed=self.options.seed,
+                               on_result=show)
+
+    @property
+    def vacuous(self) -> bool:
+        return any(r.section == "coverage" and r.status == SKIP for r in self.rows)
+
+    def section_coverage(self) -> None:
+        """Which implementations under test were audited at all: an audit in which none ran
+        (or an asked-for one never ran) audited nothing, and says why."""
+        ran = {r.subject.split(" @ ")[0] for r in self.rows if r.section == "bounds" and r.status in (PASS, FAIL)}
+        oracles = {REFERENCE.name, BASELINE.name}
+        asked = self.selected_impls() if self.options.impls else [
+            i for i in self.selected_impls() if i.name not in oracles]
+        skipped = {r.subject.split(" @ ")[0]: r.result for r in self.rows
+                   if r.section == "bounds" and r.status == SKIP}
+        missing = [i for i in asked if i.name not in ran]
+        if self.options.impls:
+            for impl in asked:
+                if impl.name in ran:
+                    self.add("coverage", impl.name, PASS, "audited")
+        elif ran - oracles:
+            self.add("coverage", "implementations under test", PASS,
+                     f"audited: {', '.join(sorted(ran - oracles))}")
+        if missing and (self.options.impls or not (ran - oracles)):
+            status = INFO if self.options.allow_no_kernels else SKIP
+            for impl in missing:
+                self.add("coverage", impl.name, status,
+                         f"NOT AUDITED: {skipped.get(impl.name, 'no bound check ran')}")
 
     def section_selfcheck(self) -> None:
         backend = self.backend
@@ -333,13 +388,17 @@ class Audit:
         meta = environment(self.backend, self.options)
         meta["seconds"] = round(time.perf_counter() - self.started, 1)
         (out / "report.json").write_text(json.dumps(
-            {"meta": meta, "ok": not self.failed,
+            {"meta": meta, "ok": not self.failed and not self.vacuous, "vacuous": self.vacuous,
              "rows": [dict(r.__dict__) for r in self.rows]},
             indent=1, default=str))
-        (out / "report.md").write_text(markdown(self.rows, meta, plots, not self.failed))
+        (out / "report.md").write_text(markdown(self.rows, meta, plots, not self.failed and not self.vacuous))
         self.say("")
         self.say(summary_table(self.rows))
-        self.say(f"\n{'FAILED' if self.failed else 'PASSED'} in {meta['seconds']} s; "
+        verdict = "FAILED" if self.failed else ("NOTHING AUDITED" if self.vacuous else "PASSED")
+        if self.vacuous:
+            self.say("\nno implementation under test ran (see the coverage rows); exit status 3, "
+                     "--allow-no-kernels accepts such a run")
+        self.say(f"\n{verdict} in {meta['seconds']} s; "
                  f"report in {out}/ (report.md, report.json, {', '.join(plots)})")
 
 

@@ -15,12 +15,14 @@ are the same memory, which decides what the cache can promise:
   (which bypasses the version counter) and writes from inside ``torch.inference_mode`` all write
   the bank itself. The cache reads no ``_version``, so tensors without one are no problem.
 * **Swaps are detected and repacked** (``pack_count`` grows by one): ``param.data = new``,
-  ``load_state_dict(..., assign=True)``, a new storage (an mmap-backed checkpoint), ``set_``,
-  ``module.to(device/dtype)``/``.cuda()``/``.half()``: each leaves a parameter whose pointer,
-  strides, dtype or device no longer match the bank's half, which :meth:`PackedWeightCache.ensure`
-  checks on every call (a few attribute reads, no device work, no synchronisation). The new
-  values are copied into a fresh bank and the parameters point at it; the swapped-in tensor
-  is not aliased afterwards, and tensors that aliased the old bank keep the old values.
+  a new storage (an mmap-backed checkpoint), ``set_``, ``module.to(device/dtype)``/``.cuda()``/
+  ``.half()``: each leaves a parameter whose pointer, strides, dtype or device no longer match
+  the bank's half, which :meth:`PackedWeightCache.ensure` checks on every call (a few attribute
+  reads, no device work, no synchronisation). When shape, dtype and device still match, the new
+  values are copied into the *existing* bank and the parameters point at it again, so a CUDA
+  graph captured earlier reads current weights after one eager forward; otherwise a fresh bank
+  is made. (``MagiMoE.load_state_dict(..., assign=True)`` with fitting tensors copies in place
+  and is no swap at all.)
 * **No repack without a change**: a call that finds both halves in place does nothing.
 * **Explicit invalidation** (:meth:`PackedWeightCache.invalidate`, or
   ``MagiMoE.invalidate_weight_cache()``): the next call repacks into a fresh bank whatever the
@@ -115,13 +117,28 @@ class PackedWeightCache:
         self._stale = True
 
     def _pack(self, w_gate: torch.nn.Parameter, w_up: torch.nn.Parameter) -> None:
-        # Always a fresh bank: refilling the old one in place would change tensors that still
-        # alias it (a state_dict taken before the swap). The cache lets the old bank go first,
-        # so it is freed before the new one is allocated unless someone else still holds it.
-        self._bank = None
+        # A swap into a bank of the same shape, dtype and device refills the existing bank in
+        # place: a CUDA graph captured earlier reads the bank's address, so it sees the new
+        # weights after this (one eager forward) instead of a freed or stale buffer. Tensors
+        # that alias the bank (a state_dict taken earlier) see the new values, as they would
+        # after an in-place copy. Anything else (a new shape, dtype or device, or invalidate())
+        # gets a fresh bank; the old one is let go first so it can be freed.
+        old = self._bank
         with torch.inference_mode(False), torch.no_grad():
-            bank = new_bank(w_gate, w_up)
-            gate, up = gate_up_views(bank)
+            if (not self._stale and old is not None and w_gate.shape == w_up.shape
+                    and old.shape == (*w_gate.shape[:-1], 2 * w_gate.shape[-1])
+                    and old.dtype == w_gate.dtype == w_up.dtype
+                    and old.device == w_gate.device == w_up.device):
+                bank = old
+                gate, up = gate_up_views(bank)
+                if w_gate.data_ptr() != gate.data_ptr():
+                    gate.copy_(w_gate)
+                if w_up.data_ptr() != up.data_ptr():
+                    up.copy_(w_up)
+            else:
+                self._bank = old = None
+                bank = new_bank(w_gate, w_up)
+                gate, up = gate_up_views(bank)
             w_gate.data = gate
             w_up.data = up
         self._bank = bank

@@ -1,0 +1,214 @@
+"""CUDA-graph replay auditor (CONTRACT section 8b): capture a layer's forward, change its
+weights by each route, replay, and compare with the float64 reference of the *new* weights.
+
+A captured graph replays the device addresses it captured, and no Python runs on replay: a
+change that writes the existing storage is seen, a change that swaps storage is not (the
+replay reads the old buffer, or whatever the allocator put there since). Each route ends as:
+
+- ``graph-safe``: the replay computed with the new weights;
+- ``stale``: it did not (a finding, unless the layer promises ``"recapture"`` for that route in
+  its ``graph_promises`` mapping; then a fresh capture must see the new weights);
+- ``refused``: the change or the replay raised (the layer refuses the change under a graph).
+
+Works on any layer a factory ``make_layer(config, state_dict, device)`` builds (an
+implementation's :meth:`~magi_moe.implementation.Implementation.layer`): the weights are reached
+by their released names through ``get_parameter`` / ``load_state_dict``, the reference is
+computed from ``layer.state_dict()`` as it is after the change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+import torch
+
+from magi_moe.config import MoEConfig
+from magi_moe.routing import build_route_table, route
+from magi_moe.weights import ExpertWeights
+
+from .bounds import compute_error_bounds, evaluate_bounds
+
+GRAPH_SAFE, STALE, REFUSED, RECAPTURE = "graph-safe", "stale", "refused", "recapture"
+FRESHNESS_MODEL = "bf16-plain"  # the loosest model any implementation is held to
+EXPERT_PARAMS = ("W_gate", "W_up", "W_down")
+LayerFactory = Callable[[MoEConfig, Mapping[str, torch.Tensor], object], torch.nn.Module]
+
+
+def _param(layer, name):
+    return layer.get_parameter(name)
+
+
+def _in_place(layer, name, new):
+    with torch.no_grad():
+        p = _param(layer, name)
+        p.add_(new - p)
+
+
+def _copy(layer, name, new):
+    with torch.no_grad():
+        _param(layer, name).copy_(new)
+
+
+def _data_copy(layer, name, new):
+    _param(layer, name).data.copy_(new)
+
+
+def _data_assign(layer, name, new):
+    _param(layer, name).data = new.clone()
+
+
+def _inference_write(layer, name, new):
+    with torch.inference_mode():
+        _param(layer, name).copy_(new)
+
+
+def _load(layer, name, new):
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state[name] = new.clone()
+    layer.load_state_dict(state)
+
+
+def _load_assign(layer, name, new):
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state[name] = new.clone()
+    layer.load_state_dict(state, assign=True)
+
+
+@dataclass(frozen=True)
+class GraphRoute:
+    name: str
+    description: str
+    apply: Callable
+
+
+GRAPH_ROUTES = (
+    GraphRoute("in_place", "W.add_(delta) under no_grad", _in_place),
+    GraphRoute("copy_no_grad", "W.copy_(new) under no_grad", _copy),
+    GraphRoute("param_data_copy", "W.data.copy_(new)", _data_copy),
+    GraphRoute("inference_mode", "W.copy_(new) inside torch.inference_mode", _inference_write),
+    GraphRoute("load_state_dict", "layer.load_state_dict(new)", _load),
+    GraphRoute("load_assign", "layer.load_state_dict(new, assign=True)", _load_assign),
+    GraphRoute("param_data_assign", "W.data = new (a new storage)", _data_assign),
+)
+
+
+@dataclass
+class GraphResult:
+    route: str
+    parameter: str
+    status: str        # graph-safe / stale / refused
+    promised: str      # graph-safe or recapture
+    detail: str
+    recapture_ok: bool | None = None
+
+    @property
+    def ok(self) -> bool:
+        if self.status in (GRAPH_SAFE, REFUSED):
+            return True
+        return self.promised == RECAPTURE and bool(self.recapture_ok)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__, ok=self.ok)
+
+
+def draw_state(config: MoEConfig, seed: int, device) -> dict[str, torch.Tensor]:
+    """A released-layout state dict with fresh random values (both bias slots equal)."""
+    gen = torch.Generator().manual_seed(seed)
+    HE, Dh, I = config.num_banks, config.head_dim, config.intermediate_size
+    randn = lambda *shape, std: torch.randn(*shape, generator=gen) * std  # noqa: E731
+    bias = randn(HE, std=0.05)
+    state = {"gate": randn(HE, Dh, std=0.25),
+             "W_gate": randn(HE, Dh, I, std=0.02).to(config.dtype),
+             "W_up": randn(HE, Dh, I, std=0.02).to(config.dtype),
+             "W_down": randn(HE, I, Dh, std=0.02).to(config.dtype),
+             "router.expert_bias": bias, "router.expert_bias_ema": bias.clone()}
+    return {k: v.to(device) for k, v in state.items()}
+
+
+def fresh(config: MoEConfig, layer, x: torch.Tensor, y: torch.Tensor) -> tuple[bool, str]:
+    """Is ``y`` the layer's output for ``x`` on its *current* weights (routing recomputed) within
+    the worst-case bound?"""
+    with torch.no_grad():
+        sd = {k: v.detach().clone() for k, v in layer.state_dict().items()}
+        table = build_route_table(route(x, sd["gate"].float(), sd["router.expert_bias_ema"].float(), config),
+                                  config)
+        weights = ExpertWeights(*(sd[n].to(x.dtype) for n in EXPERT_PARAMS))
+        bounds = compute_error_bounds(x, table, weights, config, [FRESHNESS_MODEL])[FRESHNESS_MODEL]
+        report = evaluate_bounds(y.detach().clone(), bounds)
+    return report.proven_ok, f"max error / worst-case bound {report.worst_max_ratio:.3g}"
+
+
+def _capture(layer, x: torch.Tensor):
+    """Warm up on a side stream (as torch.cuda.graphs asks), then capture ``y = layer(x)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(2):
+            layer(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        y = layer(x)
+    return graph, y
+
+
+def _audit_route(make_layer: LayerFactory, config: MoEConfig, graph_route: GraphRoute,
+                 parameter: str, *, num_tokens: int, seed: int, device) -> GraphResult:
+    state = draw_state(config, seed, device)
+    new = draw_state(config, seed + 1, device)[parameter]
+    layer = make_layer(config, state, device)
+    promised = dict(getattr(layer, "graph_promises", {}) or {}).get(graph_route.name, GRAPH_SAFE)
+    gen = torch.Generator().manual_seed(seed + 7)
+    x = torch.randn(num_tokens, config.hidden_size, generator=gen).to(dtype=config.dtype, device=device)
+
+    def result(status, detail, recapture_ok=None):
+        return GraphResult(graph_route.name, parameter, status, promised, detail, recapture_ok)
+
+    try:
+        graph, y = _capture(layer, x)
+        graph.replay()
+        torch.cuda.synchronize()
+        ok, how = fresh(config, layer, x, y)
+        if not ok:
+            return GraphResult(graph_route.name, parameter, STALE, GRAPH_SAFE,
+                               f"wrong before any change ({how})")
+    except Exception as exc:  # noqa: BLE001 -- a layer that cannot be captured is a finding
+        return GraphResult(graph_route.name, parameter, REFUSED, promised,
+                           f"capture failed: {type(exc).__name__}: {exc}", None)
+    try:
+        graph_route.apply(layer, parameter, new)
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 -- a refusal, reported with its reason
+        return result(REFUSED, f"{type(exc).__name__}: {exc}")
+    ok, how = fresh(config, layer, x, y)
+    if ok:
+        return result(GRAPH_SAFE, f"replay used the new weights ({how})")
+    # stale: does a fresh capture see the new weights (what "recapture" promises)?
+    try:
+        graph2, y2 = _capture(layer, x)
+        graph2.replay()
+        torch.cuda.synchronize()
+        recaptured, how2 = fresh(config, layer, x, y2)
+    except Exception as exc:  # noqa: BLE001
+        recaptured, how2 = False, f"recapture failed: {type(exc).__name__}: {exc}"
+    return result(STALE, f"replay served the old weights ({how}); after recapture: "
+                         f"{'fresh' if recaptured else 'STILL WRONG'} ({how2})", recaptured)
+
+
+def audit_graph_replay(make_layer: LayerFactory, config: MoEConfig, *, device="cuda",
+                       num_tokens: int = 64, seed: int = 0,
+                       parameters: tuple[str, ...] = ("W_gate", "W_down"),
+                       on_result: Callable[[GraphResult], None] | None = None) -> list[GraphResult]:
+    """Every route of :data:`GRAPH_ROUTES` for each of ``parameters``, on a fresh layer each."""
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"device must be a CUDA device (CUDA graphs), got {device!r}")
+    results = []
+    for graph_route in GRAPH_ROUTES:
+        for parameter in parameters:
+            found = _audit_route(make_layer, config, graph_route, parameter,
+                                 num_tokens=num_tokens, seed=seed, device=device)
+            results.append(found)
+            if on_result is not None:
+                on_result(found)
+    return results
