@@ -42,8 +42,8 @@ from magi_moe.reference import expert_reference
 from magi_moe.registry import Implementation, get_implementation
 from magi_moe.routing import Routes, build_route_table, router_logits, scores_from_logits
 
-from .cases import (ExpertCase, HugeCase, TieCase, build_problem, build_router_inputs, case_to_dict,
-                    drop_banks)
+from .cases import (ExpertCase, HugeCase, TieCase, build_problem, build_router_inputs, cancelling_problem,
+                    case_to_dict, drop_banks)
 from .huge import run_isolated
 from .record import PropertyViolation, in_flight
 from .tolerance import judge, rounding_mismatch, unit_roundoff
@@ -378,6 +378,18 @@ def check_deterministic(target: Target, case: ExpertCase, *, runs: int = 3) -> d
             if not bool(same.all()):
                 raise PropertyViolation(f"run {i + 2} (threads={n}) differs bitwise from run 1: "
                                         + _first_mismatch(~same, again, first), record)
+        # The same reruns on top-k sums that cancel, where a changing summation order shows.
+        cancelling = cancelling_problem(case.config, max(16, case.num_tokens), seed=case.values.seed,
+                                        device=target.device)
+        if target.impl.supports(cancelling.config) is None:
+            first = _run(target, cancelling)
+            for i in range(max(1, runs - 1)):
+                again = _run(target, cancelling)
+                same = (again == first) | (torch.isnan(again) & torch.isnan(first))
+                if not bool(same.all()):
+                    raise PropertyViolation(
+                        f"run {i + 2} on top-k sums that cancel (fuzz.cases.cancelling_problem) "
+                        "differs bitwise from run 1: " + _first_mismatch(~same, again, first), record)
         return {"runs": len(settings) + 1}
 
 
@@ -477,12 +489,12 @@ def check_huge_offsets(target: Target, case: HugeCase, *, timeout: float = 600) 
                                     f"{list(case.tokens)}, row stride {case.config.hidden_size}): an "
                                     "int32 offset overflow reads a wild address", record,
                                     {"signal": result.signal_name})
+        if result.result and not result.result["ok"]:
+            raise PropertyViolation(f"wrong rows past 2^31: {result.result['describe']}; guard rows "
+                                    f"intact: {result.result['guard_ok']}", record, result.result)
         if result.returncode != 0 or not result.result:
             raise PropertyViolation(f"the child process exited with {result.returncode} on a shape "
                                     f"{target.impl.name} supports: {result.output_tail[-1500:]}", record)
-        if not result.result["ok"]:
-            raise PropertyViolation(f"wrong rows past 2^31: {result.result['describe']}; guard rows "
-                                    f"intact: {result.result['guard_ok']}", record, result.result)
         return result.result
 
 
