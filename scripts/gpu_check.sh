@@ -4,6 +4,8 @@
 #   tests  the suite on the CUDA backend (CPU backends are CI's job), JUnit XML + log;
 #          TEST_WORKERS pytest-xdist workers sharing the GPU (default 8), TEST_ARGS extra args
 #   audit  python -m audit --backend cuda (production shapes)
+#   graphs the audit's CUDA-graph rows (and bounds, determinism, cache, discipline) for fused
+#          and native-det at magi2-ep4-local, one probe: the quick GPU check of a layer change
 #   ep     expert parallelism over NCCL (needs 2 GPUs: scripts/gpu_ep.sh)
 #   fuzz   a fuzz campaign on CUDA for FUZZ_BUDGET seconds, FUZZ_WORKERS xdist workers (4),
 #          resuming from FUZZ_DB (.hypothesis/fuzz-db; returned as fuzz-db.tgz), FUZZ_ARGS extra
@@ -35,6 +37,8 @@ for step in "${steps[@]}"; do
              -n "${TEST_WORKERS:-8}" -p no:cacheprovider --durations=15 -W ignore \
              --junitxml="$OUT/tests.xml" ${TEST_ARGS:-} ;;
     audit) run_step audit 240 python3 -m audit --backend cuda --out "$OUT/audit" ;;
+    graphs) run_step graphs 300 python3 -m audit --backend cuda --impl fused --impl native-det \
+             --preset magi2-ep4-local --probe random --no-mpcheck --no-controls --out "$OUT/audit-graphs" ;;
     ep)    run_step ep 120 bash scripts/gpu_ep.sh -q ;;
     fuzz)  run_step fuzz "$(( ${FUZZ_BUDGET:-120} + 60 ))" python3 -m fuzz --backend cuda \
              --budget-seconds "${FUZZ_BUDGET:-120}" --workers "${FUZZ_WORKERS:-4}" \
