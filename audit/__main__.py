@@ -63,19 +63,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def enable_interpreter_for_cpu(argv: list[str] | None = None) -> None:
+    """The command line's default on a CPU machine: audit the Triton kernels under the
+    interpreter. Called only by the program entry points (``python -m audit``, ``magi-moe
+    audit``), never by ``main`` itself, so a test calling ``main`` in-process keeps its env."""
+    args = parse_args(argv)
+    wanted = args.backend == "cpu" and not args.no_kernels and importlib.util.find_spec("triton") is not None
+    if not wanted or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return
+    if any(m.startswith("magi_moe.kernels") for m in sys.modules):
+        print("audit: the Triton kernels were imported before the interpreter could be enabled; "
+              "set TRITON_INTERPRET=1 before starting Python to audit them on the CPU", file=sys.stderr)
+        return
+    # Read when kernels are decorated: set before anything imports magi_moe.kernels.
+    os.environ["TRITON_INTERPRET"] = "1"
+    print("audit: TRITON_INTERPRET=1 set for this run, so the Triton kernels are audited under the "
+          "CPU interpreter (--no-kernels to skip them)", flush=True)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """The program entry: the CPU default above, then :func:`main`."""
+    enable_interpreter_for_cpu(argv)
+    return main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    enable_interpreter = args.backend == "interpret" or (
-        args.backend == "cpu" and not args.no_kernels and importlib.util.find_spec("triton") is not None)
-    if enable_interpreter and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        if "magi_moe.kernels" in sys.modules:
-            print("the Triton kernels were imported before the audit could enable the interpreter; "
-                  "set TRITON_INTERPRET=1 before starting Python", file=sys.stderr)
-            return 2
+    if args.backend == "interpret":
         # Read when kernels are decorated: set before anything imports magi_moe.kernels.
         os.environ["TRITON_INTERPRET"] = "1"
-        print("audit: TRITON_INTERPRET=1 set for this run, so the Triton kernels are audited "
-              "under the CPU interpreter (--no-kernels to skip them)", flush=True)
     import torch
 
     from magi_moe.config import PRESETS
@@ -119,4 +135,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -7,8 +7,11 @@ import json
 import pytest
 import torch
 
+from magi_moe.backends import BACKENDS
+
 from audit.__main__ import main
 from magi_moe import registry
+from magi_moe.implementation import Implementation
 
 FAST = ["--preset", "tiny", "--tokens", "24", "--probe", "random", "--probe", "cancel-up",
         "--no-mpcheck", "--runs", "2"]
@@ -29,7 +32,9 @@ def keep_global_state():
 def test_default_run_writes_the_report(tmp_path, capsys):
     # Not the fused layer: its cache audit under the interpreter takes ~30 s (test_audit_cache
     # covers it); native-det brings a kernel into the run when TRITON_INTERPRET=1.
-    impls = ["--impl", "reference", "--impl", "torch-bf16", "--impl", "native-det"]
+    impls = ["--impl", "reference", "--impl", "torch-bf16"]
+    if BACKENDS["interpret"].available:
+        impls += ["--impl", "native-det"]
     assert main(FAST + impls + ["--out", str(tmp_path), "--no-controls"]) == 0
     printed = capsys.readouterr().out
     assert "PASSED" in printed and "section" in printed
@@ -78,3 +83,24 @@ def test_argparse_errors(capsys):
     with pytest.raises(SystemExit):
         main(["--tokens", "0"])
     assert "--tokens must be >= 1" in capsys.readouterr().err
+
+
+def _plain_forward(x, table, weights, config, *, out):
+    from magi_moe.reference import expert_reference
+    return out.copy_(expert_reference(x, table, weights, config, precision="bf16"))
+
+
+CUDA_ONLY = Implementation("cuda-only-example", _plain_forward, ("cuda",), "bf16-plain",
+                           description="declares only the cuda backend (tests the coverage rule)")
+
+
+def test_an_audit_that_audited_nothing_exits_3(tmp_path, capsys):
+    """The cpu backend cannot run an implementation declaring only cuda: the run says so and
+    fails instead of printing PASSED over a table of skips."""
+    argv = FAST + ["--out", str(tmp_path), "--no-controls", "--impl", "tests.test_audit_report:CUDA_ONLY"]
+    assert main(argv) == 3
+    printed = capsys.readouterr().out
+    assert "NOTHING AUDITED" in printed and "PASSED" not in printed
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["ok"] is False and data["vacuous"] is True
+    assert main(argv + ["--allow-no-kernels"]) == 0
