@@ -56,6 +56,8 @@ TIE_KINDS = (
     "boundary",        # zero gate, bias with a tie exactly at the k-th / (k+1)-th place
     "negative",        # positive x, non-positive gate: all logits <= 0, with levels
     "nan-bias",        # bias levels with some NaN (rank last) and -inf entries
+    "underflow",       # logits down to -1024: sigmoid scores underflow to 0 (the L1 norm's eps)
+    "inf-bias",        # bias levels with +inf and -inf entries: infinite selection scores tie
 )
 
 
@@ -357,6 +359,11 @@ def build_problem(case: ExpertCase, device: str | torch.device = "cpu") -> Probl
     x, weights = build_values(case)
     routes, gate, bias = _routes(case, x)
     table = drop_banks(build_route_table(routes, case.config), case.empty_banks)
+    if kind == "inf-bias":
+        bias = bias_levels.clone()
+        flags = torch.rand(HE, generator=gen)
+        bias[flags < 0.25] = float("inf")
+        bias[(flags >= 0.25) & (flags < 0.35)] = float("-inf")
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
     routes = Routes(move(routes.expert_ids), move(routes.probs))
     return Problem(case.config, move(x), move(gate), move(bias), weights.to(device), routes,
@@ -391,6 +398,12 @@ def build_router_inputs(case: TieCase, device: str | torch.device = "cpu"):
         gate[dst[same_head]] = gate[src[same_head]]
     elif kind in ("all-equal", "boundary"):
         gate = torch.zeros(HE, Dh)
+    elif kind == "underflow":
+        # x >= 0 and gate rows of -64 or -2 times a 0/1 pattern: logits exact, most of them so
+        # negative that sigmoid gives exactly 0 (every chosen score 0 in some heads)
+        x = x.abs()
+        deep = torch.rand(HE, 1, generator=gen) < 0.75
+        gate = torch.where(deep, -64.0, -2.0) * torch.randint(0, 2, (HE, Dh), generator=gen).float()
     else:
         gate = grid_gate
     bias = bias_levels if case.use_bias else None
@@ -408,5 +421,10 @@ def build_router_inputs(case: TieCase, device: str | torch.device = "cpu"):
         flags = torch.rand(HE, generator=gen)
         bias[flags < 0.2] = float("nan")
         bias[(flags >= 0.2) & (flags < 0.3)] = float("-inf")
+    if kind == "inf-bias":
+        bias = bias_levels.clone()
+        flags = torch.rand(HE, generator=gen)
+        bias[flags < 0.25] = float("inf")
+        bias[(flags >= 0.25) & (flags < 0.35)] = float("-inf")
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
     return move(x.to(cfg.dtype)), move(gate), move(bias)

@@ -65,3 +65,30 @@ def test_huge_offsets(impl_backend, data):
     target = fuzzers.pytest_target(impl_backend, "huge_offsets")
     case, params = data.draw(fuzzers.case_strategy("huge_offsets", target), label="case, params")
     fuzzers.run("huge_offsets", target, case, params)
+
+
+@pytest.mark.kernels_only
+@pytest.mark.needs("int64_offsets")
+def test_layer_past_int32_offsets(impl_backend):
+    """The whole layer (every kernel that indexes by token: the router's reads of x, the expert
+    kernels, the top-k sum's writes of y) on a real 700,100-token input at H=12 (row stride 3072:
+    token 699,051 is the first past 2^31): rows around and past the boundary match the float64
+    reference of the same tokens. GPU only: the input and output are 4.3 GB each."""
+    from audit.graphs import draw_state, fresh
+
+    if impl_backend is None or impl_backend.backend.name != "cuda":
+        pytest.skip("needs real memory for a 4.3 GB input: the cuda backend")
+    impl = impl_backend.impl
+    cfg = preset("magi2-full").replace(num_experts=4, top_k=2)
+    why = impl.supports(cfg)
+    if why:
+        pytest.skip(why)
+    t0 = first_overflowing_token(cfg)
+    layer = impl.layer(cfg, draw_state(cfg, seed=5, device="cuda"), "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(t0 + 1049, cfg.hidden_size, generator=gen, device="cuda").to(cfg.dtype)
+    with torch.no_grad():
+        y = layer(x)
+    rows = torch.tensor([0, t0 - 2, t0 - 1, t0, t0 + 1, t0 + 517, x.shape[0] - 1], device="cuda")
+    ok, how = fresh(cfg, layer, x[rows], y[rows])
+    assert ok, f"{impl.name}: rows around token {t0} (offset 2^31) are wrong: {how}"

@@ -74,15 +74,27 @@ def test_deterministic(impl_backend, data):
     fuzz("deterministic", impl_backend, data)
 
 
+ROUTERS = [
+    pytest.param("magi_moe.routing:route", "cpu", id="torch@cpu"),
+    pytest.param("magi_moe.routing:route", "cuda", id="torch@cuda", marks=pytest.mark.cuda),
+    pytest.param("magi_moe.kernels.fused_routes:fused_routes", "interpret", id="fused@interpret",
+                 marks=pytest.mark.interpret),
+    pytest.param("magi_moe.kernels.fused_routes:fused_routes", "cuda", id="fused@cuda",
+                 marks=pytest.mark.cuda),
+]
+
+
 @campaign_target
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("router, backend", ROUTERS)
 @profiles.examples(2.0)
 @given(data=st.data())
-def test_tie_rule(device, data):
-    """magi-moe's router: exact ties to the lower index, first; NaN last."""
-    if device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            pytest.skip("no CUDA GPU")
+def test_tie_rule(router, backend, data):
+    """Every router (torch and fused): exact ties to the lower index, first; NaN last; scores
+    that underflow to zero and infinite ones."""
+    from magi_moe.backends import BACKENDS
+
+    why = BACKENDS[backend].unavailable_reason()
+    if why:
+        pytest.skip(f"backend {backend} unavailable: {why}")
     case, params = data.draw(fuzzers.case_strategy("tie_rule", budget=BUDGET), label="case, params")
-    fuzzers.run("tie_rule", ("magi_moe.routing:route", device), case, params)
+    fuzzers.run("tie_rule", (router, BACKENDS[backend].device), case, params)
