@@ -359,11 +359,6 @@ def build_problem(case: ExpertCase, device: str | torch.device = "cpu") -> Probl
     x, weights = build_values(case)
     routes, gate, bias = _routes(case, x)
     table = drop_banks(build_route_table(routes, case.config), case.empty_banks)
-    if kind == "inf-bias":
-        bias = bias_levels.clone()
-        flags = torch.rand(HE, generator=gen)
-        bias[flags < 0.25] = float("inf")
-        bias[(flags >= 0.25) & (flags < 0.35)] = float("-inf")
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
     routes = Routes(move(routes.expert_ids), move(routes.probs))
     return Problem(case.config, move(x), move(gate), move(bias), weights.to(device), routes,
