@@ -96,6 +96,11 @@ def spec_for(impl: Implementation) -> str:
     """How a fresh process loads ``impl``: ``package.module:attr`` when a module outside
     magi_moe holds it (outside and deliberately broken implementations), else its registered name."""
     import sys
+
+    from magi_moe.impls import BUILTINS
+
+    if any(impl is b for b in BUILTINS):
+        return impl.name
     known = _SPECS.get(id(impl))
     if known is not None and known[0] is impl:
         return known[1]
