@@ -87,7 +87,10 @@ def expert_reference(
         raise ValueError(f"precision must be 'float64', 'bf16' or 'fp32acc', got {precision!r}")
 
     xw = x.to(work)
-    acc = torch.zeros(x.shape[0], H, Dh, dtype=acc_dtype, device=x.device)
+    # Accumulate over the routed tokens only (the same sums in the same order): memory follows
+    # the routes, so a huge input with a few routed tokens past 2^31 stays cheap.
+    routed = torch.unique(table.gather_ids.long())
+    acc = torch.zeros(routed.numel(), H, Dh, dtype=acc_dtype, device=x.device)
     counts = table.counts().tolist()
     offsets = table.offsets.tolist()
     for f, count in enumerate(counts):
@@ -116,8 +119,10 @@ def expert_reference(
         if precision == "bf16":
             contribution = contribution.to(x.dtype).to(acc_dtype)  # one rounding per route
         # Tokens are distinct within one bank, so index_add_ adds each row once.
-        acc[:, h].index_add_(0, tokens, contribution)
-    return acc.reshape(x.shape[0], H * Dh).to(out_dtype)
+        acc[:, h].index_add_(0, torch.searchsorted(routed, tokens), contribution)
+    result = torch.zeros(x.shape[0], H * Dh, dtype=out_dtype, device=x.device)
+    result[routed] = acc.reshape(-1, H * Dh).to(out_dtype)
+    return result
 
 
 def layer_reference(
