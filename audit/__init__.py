@@ -3,7 +3,7 @@ the backend self-check, run together by ``python -m audit`` (see :mod:`audit.rep
 
 For tests, the proven tolerance instead of a hand-picked ``atol``/``rtol``::
 
-    from audit import check_error_bounds
+    from magi_moe.audit import check_error_bounds
     report = check_error_bounds(out, problem, impl)   # or a model name: "bf16-fp32acc"
     assert report.ok, report.summary()
 """

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+import magi_moe
 from magi_moe.routing import RouteTable, validate_route_table
 
 from .cases import (ExpertCase, HugeCase, RoutingSpec, ValueSpec, build_problem, case_from_dict,
@@ -41,7 +42,8 @@ from .cases import (ExpertCase, HugeCase, RoutingSpec, ValueSpec, build_problem,
 __all__ = ["IsolatedResult", "build_huge_problem", "run_huge_case", "run_isolated"]
 
 RESULT_PREFIX = "FUZZ-HUGE-RESULT "
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# Where ``magi_moe`` imports from: the checkout's root, or site-packages for an installed wheel.
+REPO_ROOT = Path(magi_moe.__file__).resolve().parent.parent
 
 
 @dataclass
@@ -175,7 +177,7 @@ def run_isolated(case: HugeCase, *, backend: str, impl: str, mode: str = "launch
                  timeout: float = 600) -> IsolatedResult:
     """Run one case in a child process and report how it ended (a negative returncode is the
     signal that killed it, e.g. SIGSEGV from an int32 offset)."""
-    cmd = [sys.executable, "-m", "fuzz.huge", "--case", dumps(case_to_dict(case)),
+    cmd = [sys.executable, "-m", "magi_moe.fuzz.huge", "--case", dumps(case_to_dict(case)),
            "--device", "cuda" if backend == "cuda" else "cpu", "--impl", impl, "--mode", mode]
     try:
         proc = subprocess.run(cmd, env=child_env(backend), cwd=REPO_ROOT, capture_output=True,

@@ -125,7 +125,7 @@ def judge(out: torch.Tensor, problem, precision, reference: torch.Tensor, baseli
     (an Implementation or a precision-model name) when ``audit.bounds`` can be imported and knows
     the model, else the FlashAttention-style criterion against ``reference`` and ``baseline``."""
     try:
-        from audit.bounds import check_error_bounds
+        from magi_moe.audit.bounds import check_error_bounds
     except ImportError:
         check_error_bounds = None
     if check_error_bounds is not None:

@@ -55,6 +55,21 @@ def pytest_addoption(parser):
                     help=f"backend to test, one of {sorted(BACKENDS)}; repeatable (default: all)")
     group.addoption("--allow-vacuous", action="store_true",
                     help="exit 0 even when an implementation asked for ran no test")
+    group.addoption("--conformance", action="store_true",
+                    help="run only the tests parametrized by the implementation under test "
+                         "(what `magi-moe check` runs against an outside implementation)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--conformance"):
+        return
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        (keep if callspec is not None and "impl_backend" in callspec.params else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_configure(config):

@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from audit.emulation import FP32ACC_EMULATION, emulated_forward, emulated_implementation
+from magi_moe.audit.emulation import FP32ACC_EMULATION, emulated_forward, emulated_implementation
 from magi_moe.config import MoEConfig
 from magi_moe.layer import MagiMoE
 from magi_moe.registry import Implementation

@@ -15,7 +15,7 @@ from magi_moe.impls import BASELINE, REFERENCE
 pytest_plugins = ["magi_moe.pytest_plugin"]
 
 try:  # Hypothesis profiles (ci / dev / nightly), chosen with --hypothesis-profile
-    import fuzz.profiles  # noqa: F401
+    import magi_moe.fuzz.profiles  # noqa: F401
 except ImportError:  # the fuzz package is optional for the core suite
     pass
 

@@ -117,7 +117,7 @@ def _int32_forward(x, table, weights, config, *, out):
 int32_offsets = Implementation(
     "broken-int32-offsets", _int32_forward, ("interpret", "cuda"), "bf16-fp32acc",
     capabilities={"int64_offsets"},  # claims it, wrongly: the huge fuzzer must catch the lie
-    launcher=RowLauncher("tests.fuzz_broken:launch_native_int32", "accumulate"),
+    launcher=RowLauncher("magi_moe.tests.fuzz_broken:launch_native_int32", "accumulate"),
     description="BROKEN on purpose: the native kernel with int32 token * row_stride")
 
 

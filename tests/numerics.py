@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from audit import check_error_bounds
+from magi_moe.audit import check_error_bounds
 from magi_moe.problems import Problem, relative_l2
 from magi_moe.reference import expert_reference
 

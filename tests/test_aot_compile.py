@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-from tests.aot_compile import SHARED_LIMIT  # noqa: E402
+from magi_moe.tests.aot_compile import SHARED_LIMIT  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT_GEMMS = {"gate_up_kernel", "gate_up_tma_kernel", "down_kernel", "down_tma_kernel",

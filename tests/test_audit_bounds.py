@@ -9,16 +9,16 @@ import math
 import pytest
 import torch
 
-from audit.bounds import (BoundReport, check_error_bounds, compare_with_baseline,
+from magi_moe.audit.bounds import (BoundReport, check_error_bounds, compare_with_baseline,
                           compute_error_bounds, evaluate_bounds, problem_bounds)
-from audit.precision import (BF16, FP32, gamma, gamma_probabilistic, hoeffding_lambda,
+from magi_moe.audit.precision import (BF16, FP32, gamma, gamma_probabilistic, hoeffding_lambda,
                              precision_model, truncating, with_truncating_downcasts)
-from audit.probes import PROBES, probe_problem
+from magi_moe.audit.probes import PROBES, probe_problem
 from magi_moe.config import preset
 from magi_moe.problems import run_poisoned
 from magi_moe.reference import expert_reference
 from magi_moe.registry import get_implementation
-from tests.audit_broken import (BF16_DOWN_ACCUMULATION, BF16_GATE_UP_ACCUMULATION,
+from magi_moe.tests.audit_broken import (BF16_DOWN_ACCUMULATION, BF16_GATE_UP_ACCUMULATION,
                                 CORRECT_EMULATION, ROUNDS_BEFORE_SWIGLU)
 
 

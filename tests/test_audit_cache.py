@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from audit.cache import (DETECTED, NEEDS_INVALIDATE, ROUTES, UNSUPPORTED, audit_weight_cache)
+from magi_moe.audit.cache import (DETECTED, NEEDS_INVALIDATE, ROUTES, UNSUPPORTED, audit_weight_cache)
 from magi_moe.backends import get_backend
 from magi_moe.config import preset
 from magi_moe.layer import MagiMoE
 from magi_moe.registry import get_implementation
-from tests.audit_broken import correct_cache_layer, repacking_cache_layer, stale_cache_layer
+from magi_moe.tests.audit_broken import correct_cache_layer, repacking_cache_layer, stale_cache_layer
 
 TINY = preset("tiny")
 

@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from audit.determinism import audit_determinism, bit_pattern
-from audit.probes import probe_problem
+from magi_moe.audit.determinism import audit_determinism, bit_pattern
+from magi_moe.audit.probes import probe_problem
 from magi_moe.backends import get_backend
 from magi_moe.config import preset
 from magi_moe.registry import get_implementation
-from tests.audit_broken import ATOMIC_DETERMINISTIC, CORRECT_EMULATION, FLAKY_DETERMINISTIC
+from magi_moe.tests.audit_broken import ATOMIC_DETERMINISTIC, CORRECT_EMULATION, FLAKY_DETERMINISTIC
 
 
 @pytest.fixture(scope="module")

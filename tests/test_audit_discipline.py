@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from audit.discipline import audit_compile, audit_discipline, audit_layer_discipline
-from audit.probes import probe_problem
+from magi_moe.audit.discipline import audit_compile, audit_discipline, audit_layer_discipline
+from magi_moe.audit.probes import probe_problem
 from magi_moe.config import preset
 from magi_moe.layer import MagiMoE
 from magi_moe.registry import get_implementation
-from tests.audit_broken import (ALLOCATES_PER_CALL, DISCIPLINED_TOY, ITEM_IN_PATH,
+from magi_moe.tests.audit_broken import (ALLOCATES_PER_CALL, DISCIPLINED_TOY, ITEM_IN_PATH,
                                 with_item_in_path)
 
 

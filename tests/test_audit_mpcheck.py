@@ -6,8 +6,8 @@ import mpmath
 import pytest
 import torch
 
-from audit import mpcheck
-from audit.precision import BF16, FP32
+from magi_moe.audit import mpcheck
+from magi_moe.audit.precision import BF16, FP32
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest

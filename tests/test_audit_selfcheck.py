@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from audit.selfcheck import (ATOMIC_SUBNORMAL_CHECK, DOWNCAST_CHECK, ROUNDING_CHECK,
+from magi_moe.audit.selfcheck import (ATOMIC_SUBNORMAL_CHECK, DOWNCAST_CHECK, ROUNDING_CHECK,
                              run_selfcheck, truncating_downcasts)
 from magi_moe.backends import get_backend
 

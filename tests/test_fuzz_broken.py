@@ -10,14 +10,14 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from fuzz import fuzzers
-from fuzz.cases import HugeCase, first_overflowing_token
-from fuzz.properties import check_huge_offsets, make_target
-from fuzz.record import PropertyViolation
-from fuzz.stateful import weight_swap_machine
+from magi_moe.fuzz import fuzzers
+from magi_moe.fuzz.cases import HugeCase, first_overflowing_token
+from magi_moe.fuzz.properties import check_huge_offsets, make_target
+from magi_moe.fuzz.record import PropertyViolation
+from magi_moe.fuzz.stateful import weight_swap_machine
 from magi_moe.backends import triton_installed
 from magi_moe.config import preset
-from tests import fuzz_broken as broken
+from magi_moe.tests import fuzz_broken as broken
 
 
 def quick(examples: int, **kw) -> settings:
@@ -28,27 +28,27 @@ def quick(examples: int, **kw) -> settings:
 
 def test_wrong_tie_order_is_caught_by_the_tie_fuzzer():
     with pytest.raises(PropertyViolation, match="ties must go to the lower index") as caught:
-        fuzzers.search("tie_rule", "tests.fuzz_broken:route_ties_to_higher_index", settings=quick(8))
+        fuzzers.search("tie_rule", "magi_moe.tests.fuzz_broken:route_ties_to_higher_index", settings=quick(8))
     assert "python -m fuzz replay" in str(caught.value)
     fuzzers.search("tie_rule", "magi_moe.routing:route", settings=quick(8))  # the real router passes
 
 
 def test_empty_expert_garbage_is_caught_by_the_empty_expert_fuzzer():
-    target = make_target(broken.empty_expert_garbage, "cpu", spec="tests.fuzz_broken:empty_expert_garbage")
+    target = make_target(broken.empty_expert_garbage, "cpu", spec="magi_moe.tests.fuzz_broken:empty_expert_garbage")
     with pytest.raises(PropertyViolation, match="empty_experts violated") as caught:
         fuzzers.search("empty_experts", target, settings=quick(8))
-    assert caught.value.record["impl"] == "tests.fuzz_broken:empty_expert_garbage"
+    assert caught.value.record["impl"] == "magi_moe.tests.fuzz_broken:empty_expert_garbage"
     fuzzers.search("empty_experts", make_target("torch-bf16", "cpu"), settings=quick(8))
 
 
 @pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
 def test_int32_offsets_are_caught_by_the_huge_fuzzer():
     """Runs in child processes with TRITON_INTERPRET=1, whatever this process has."""
-    target = make_target(broken.int32_offsets, "interpret", spec="tests.fuzz_broken:int32_offsets")
+    target = make_target(broken.int32_offsets, "interpret", spec="magi_moe.tests.fuzz_broken:int32_offsets")
     with pytest.raises(PropertyViolation, match="SIGSEGV") as caught:
         fuzzers.search("huge_offsets", target, settings=quick(1))
     case = caught.value.record["case"]
-    from fuzz.cases import case_from_dict
+    from magi_moe.fuzz.cases import case_from_dict
     # The same case passes through the real (int64) native kernel.
     check_huge_offsets(make_target("native", "interpret"), case_from_dict(case))
 
@@ -59,7 +59,7 @@ def test_int32_offsets_are_invisible_below_the_boundary():
         pytest.skip("triton is not installed")
     cfg = preset("tiny")
     case = HugeCase(cfg, first_overflowing_token(cfg) - 1, (0, 5, 1000), seed=2)
-    target = make_target(broken.int32_offsets, "interpret", spec="tests.fuzz_broken:int32_offsets")
+    target = make_target(broken.int32_offsets, "interpret", spec="magi_moe.tests.fuzz_broken:int32_offsets")
     check_huge_offsets(target, case)
 
 

@@ -11,7 +11,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from fuzz.huge import REPO_ROOT, child_env
+from magi_moe.fuzz.huge import REPO_ROOT, child_env
 
 pytest.importorskip("xdist", reason="the campaign runner scales out with pytest-xdist")
 
@@ -19,8 +19,8 @@ pytest.importorskip("xdist", reason="the campaign runner scales out with pytest-
 def test_campaign_records_crashes_and_violations_and_goes_on(tmp_path):
     out, db = tmp_path / "out", tmp_path / "db"
     cmd = [sys.executable, "-m", "fuzz", "--backend", "cpu",
-           "--impl", "tests.fuzz_broken:segfault_from_three_tokens",  # crashes first ...
-           "--impl", "tests.fuzz_broken:empty_expert_garbage",        # ... then this still runs
+           "--impl", "magi_moe.tests.fuzz_broken:segfault_from_three_tokens",  # crashes first ...
+           "--impl", "magi_moe.tests.fuzz_broken:empty_expert_garbage",        # ... then this still runs
            "--properties", "empty_experts", "--budget-seconds", "20", "--workers", "1",
            "--round-examples", "5", "--no-shrink", "--seed", "3", "--out", str(out), "--db", str(db)]
     proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env("cpu"), capture_output=True, text=True,
@@ -33,7 +33,7 @@ def test_campaign_records_crashes_and_violations_and_goes_on(tmp_path):
     by_kind = {f["kind"]: f for f in summary["failures"]}
     assert set(by_kind) == {"crash", "violation"}, summary["failures"]
     assert "SIGSEGV" in by_kind["crash"]["message"]
-    assert "tests.fuzz_broken:segfault_from_three_tokens" in by_kind["crash"]["repro"]
+    assert "magi_moe.tests.fuzz_broken:segfault_from_three_tokens" in by_kind["crash"]["repro"]
     violation = by_kind["violation"]
     assert violation["property"] == "empty_experts"
     assert violation["repro"].startswith("python -m fuzz replay ")
@@ -53,7 +53,7 @@ def test_campaign_records_crashes_and_violations_and_goes_on(tmp_path):
 def test_fallback_junit_when_pytest_was_stopped(tmp_path):
     """A campaign stopped at its hard limit still leaves a JUnit file CI can read: one testcase
     per test that ran, a failure element per failure record (with its reproduction)."""
-    from fuzz.campaign import write_fallback_junit
+    from magi_moe.fuzz.campaign import write_fallback_junit
 
     (tmp_path / "stats").mkdir()
     (tmp_path / "failures").mkdir()

@@ -8,11 +8,11 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from fuzz import fuzzers, profiles
-from fuzz.cases import HugeCase, first_overflowing_token
-from fuzz.huge import build_huge_problem
-from fuzz.strategies import huge_cases
-from fuzz.properties import campaign_target
+from magi_moe.fuzz import fuzzers, profiles
+from magi_moe.fuzz.cases import HugeCase, first_overflowing_token
+from magi_moe.fuzz.huge import build_huge_problem
+from magi_moe.fuzz.strategies import huge_cases
+from magi_moe.fuzz.properties import campaign_target
 from magi_moe.config import preset
 from magi_moe.routing import validate_route_table
 
@@ -74,7 +74,7 @@ def test_layer_past_int32_offsets(impl_backend):
     kernels, the top-k sum's writes of y) on a real 700,100-token input at H=12 (row stride 3072:
     token 699,051 is the first past 2^31): rows around and past the boundary match the float64
     reference of the same tokens. GPU only: the input and output are 4.3 GB each."""
-    from audit.graphs import draw_state, fresh
+    from magi_moe.audit.graphs import draw_state, fresh
 
     if impl_backend is None or impl_backend.backend.name != "cuda":
         pytest.skip("needs real memory for a 4.3 GB input: the cuda backend")

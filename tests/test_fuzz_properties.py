@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from fuzz import fuzzers, profiles
-from fuzz.properties import campaign_target
+from magi_moe.fuzz import fuzzers, profiles
+from magi_moe.fuzz.properties import campaign_target
 
 BUDGET = profiles.size_budget()
 

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from fuzz import fuzzers, profiles
-from fuzz.properties import campaign_target
-from fuzz.stateful import CHANGES, EXPERT_PARAMS, layer_factory_for, weight_swap_machine
+from magi_moe.fuzz import fuzzers, profiles
+from magi_moe.fuzz.properties import campaign_target
+from magi_moe.fuzz.stateful import CHANGES, EXPERT_PARAMS, layer_factory_for, weight_swap_machine
 from magi_moe.config import preset
-from tests.fuzz_broken import snapshot_cache_layer
+from magi_moe.tests.fuzz_broken import snapshot_cache_layer
 
 CONFIG = preset("tiny")
 # What each cache packs (a change elsewhere must not repack): the fused bank holds gate and up.

@@ -8,12 +8,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fuzz import profiles
-from fuzz.cases import (ExpertCase, RoutingSpec, TieCase, ValueSpec, build_problem, build_router_inputs,
+from magi_moe.fuzz import profiles
+from magi_moe.fuzz.cases import (ExpertCase, RoutingSpec, TieCase, ValueSpec, build_problem, build_router_inputs,
                         build_values, case_from_dict, case_to_dict, drop_banks, dumps)
-from fuzz.cases import HugeCase, first_overflowing_token
-from fuzz.strategies import huge_cases
-from fuzz.strategies import (AWKWARD_TOKEN_COUNTS, Limits, configs, empty_bank_sets, expert_cases,
+from magi_moe.fuzz.cases import HugeCase, first_overflowing_token
+from magi_moe.fuzz.strategies import huge_cases
+from magi_moe.fuzz.strategies import (AWKWARD_TOKEN_COUNTS, Limits, configs, empty_bank_sets, expert_cases,
                              routing_specs, tie_cases, token_counts, value_specs)
 from magi_moe.config import preset
 from magi_moe.routing import router_logits, validate_route_table
@@ -108,7 +108,7 @@ def test_head_differs_routes_one_head_identically():
 def test_negative_routing_has_all_logits_non_positive():
     case = _case("negative", gate_std=0.5)
     x, _ = build_values(case)
-    from fuzz.cases import _routes  # the router inputs it used
+    from magi_moe.fuzz.cases import _routes  # the router inputs it used
     _, gate, _ = _routes(case, x)
     assert float(router_logits(x.abs(), gate, case.config).max()) <= 0.0
 

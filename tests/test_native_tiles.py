@@ -8,7 +8,7 @@ import torch
 
 from magi_moe.config import MoEConfig, preset
 from magi_moe.kernels.native import NativeTiles, fit_shared_memory, shared_memory_estimate
-from tests.aot_compile import SHARED_LIMIT
+from magi_moe.tests.aot_compile import SHARED_LIMIT
 
 H200_OPTIN = SHARED_LIMIT[90]
 SMALL_GPU = SHARED_LIMIT[80]   # consumer Ampere / Ada

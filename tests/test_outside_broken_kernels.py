@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
-from fuzz import fuzzers
-from fuzz.properties import make_target
-from fuzz.record import PropertyViolation
+from magi_moe.fuzz import fuzzers
+from magi_moe.fuzz.properties import make_target
+from magi_moe.fuzz.record import PropertyViolation
 
-from tests.outside_broken_kernels import INT32_WRAP, WANDERING_SUM
+from magi_moe.tests.outside_broken_kernels import INT32_WRAP, WANDERING_SUM
 
 MODULE = "tests.outside_broken_kernels"
 

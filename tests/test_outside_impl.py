@@ -25,7 +25,7 @@ from magi_moe.registry import get_implementation, implementations, load_implemen
 from magi_moe.routing import RouteTable, validate_route_table
 
 REPO = Path(__file__).resolve().parent.parent
-SPEC = "tests.outside_impl_example:IMPL"
+SPEC = "magi_moe.tests.outside_impl_example:IMPL"
 
 
 @pytest.fixture(autouse=True)
@@ -52,13 +52,13 @@ PLUGIN_MODULE = """
     from magi_moe.registry import Implementation
 
     def make():  # a factory: heavy imports wait until the implementation is asked for
-        from tests.outside_impl_example import einsum_forward
+        from magi_moe.tests.outside_impl_example import einsum_forward
         return Implementation("einsum-plugin", einsum_forward, ("cpu",), "bf16-fp32acc",
                               capabilities={"deterministic"}, description="entry-point demo")
 """
 BROKEN_MODULE = """
     from magi_moe.registry import Implementation
-    from tests.outside_impl_example import einsum_forward
+    from magi_moe.tests.outside_impl_example import einsum_forward
 
     WRONG_NAME = Implementation("not-my-entry-point-name", einsum_forward, ("cpu",), "bf16-fp32acc")
     CLASH = Implementation("native", einsum_forward, ("cpu",), "bf16-fp32acc")
@@ -142,7 +142,7 @@ def test_protocol_deterministic_reruns_are_bitwise_equal(impl_backend):
 # -- naming an outside implementation ------------------------------------------------------------
 
 def test_spec_loads_the_example_once_under_its_own_name():
-    from tests.outside_impl_example import IMPL
+    from magi_moe.tests.outside_impl_example import IMPL
 
     assert get_implementation(SPEC) is IMPL
     assert get_implementation(SPEC) is IMPL and load_implementation(SPEC) is IMPL
@@ -152,9 +152,9 @@ def test_spec_loads_the_example_once_under_its_own_name():
 
 
 @pytest.mark.parametrize("spec,message", [
-    ("tests.outside_impl_example:NOPE", "has no attribute 'NOPE'"),
+    ("magi_moe.tests.outside_impl_example:NOPE", "has no attribute 'NOPE'"),
     ("magi_no_such_module:IMPL", "importing 'magi_no_such_module' failed"),
-    ("tests.outside_impl_example:CHUNK_BYTES", "must be a magi_moe.implementation.Implementation"),
+    ("magi_moe.tests.outside_impl_example:CHUNK_BYTES", "must be a magi_moe.implementation.Implementation"),
     (":IMPL", "must look like 'package.module:attribute'"),
     ("no-such-implementation", "an entry point of group .magi_moe.implementations."),
 ])

@@ -76,7 +76,7 @@ CPU_CASES = [
     EPCase("w4-five-heads-uneven", FIVE_HEADS, (17, 0, 29, 3), "reference", "expert_bias", seed=5),
     EPCase("w4-softmax-no-tokens-anywhere", preset("small-softmax"), (0, 0, 0, 0), "reference", seed=6),
     EPCase("w4-small-bf16", preset("small"), (8, 8, 8, 8), "torch-bf16", seed=7),
-    EPCase("w3-five-heads-outside-impl", FIVE_HEADS, (11, 6, 0), "tests.outside_impl_example:IMPL",
+    EPCase("w3-five-heads-outside-impl", FIVE_HEADS, (11, 6, 0), "magi_moe.tests.outside_impl_example:IMPL",
            "expert_bias", seed=15),
 ]
 # Triton kernels under the interpreter; included when this process has TRITON_INTERPRET=1.
