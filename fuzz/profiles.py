@@ -44,15 +44,18 @@ settings.register_profile(
 )
 
 
-def register_campaign_profile(database_dir: str, *, max_examples: int, parent: str = "nightly") -> str:
+def register_campaign_profile(database, *, max_examples: int, parent: str = "nightly", **overrides) -> str:
     """Register (and return the name of) the campaign profile: ``parent``'s settings (nightly by
-    default) with the campaign's database directory and a per-round example budget (the runner
-    loops rounds until its time is spent)."""
+    default) with the campaign's database (a directory, or any Hypothesis ``ExampleDatabase``:
+    see :mod:`fuzz.database`) and a per-round example budget (the runner loops rounds until its
+    time is spent). ``overrides`` are further settings (the replay-only run's phases)."""
     if max_examples < 1:
         raise ValueError(f"max_examples must be >= 1, got {max_examples}")
+    if isinstance(database, (str, bytes)) or hasattr(database, "__fspath__"):
+        database = DirectoryBasedExampleDatabase(database)
     settings.register_profile(
         "campaign", parent=settings.get_profile(parent), max_examples=max_examples,
-        database=DirectoryBasedExampleDatabase(database_dir),
+        database=database, **overrides,
     )
     return "campaign"
 

@@ -10,7 +10,10 @@ A *record* is a JSON-ready dict naming everything a check needs to run again exa
 The flight recorder is how a campaign survives a case that kills its process (a segfault under
 the interpreter, an illegal memory access on a GPU, a hang): before each case the worker writes the
 record to ``<dir>/inflight-<pid>.json`` and removes it afterwards, so a record still there once
-the worker is gone names the case that killed it. A CUDA error poisons the process's context, so
+the worker is gone names the case that killed it. The first case of a test item that fails is
+also noted (``found-<pid>.json``) until the item's failure is reported: a campaign stopped while
+Hypothesis was still shrinking it, or a worker that died meanwhile, still yields the record (a
+found failure is never lost to a stop). A CUDA error poisons the process's context, so
 in a campaign the worker marks the record as a device fault and exits at once; pytest-xdist then
 starts a fresh worker and the campaign goes on.
 """
@@ -30,11 +33,13 @@ from hypothesis.errors import HypothesisException
 from .cases import dumps
 
 __all__ = [
-    "DEVICE_FAULT_EXIT", "DeviceFault", "PropertyViolation", "configure_flight_recorder",
-    "cases_started", "in_flight", "is_device_fault", "repro_command", "save_failure", "save_record",
+    "DEVICE_FAULT_EXIT", "REPLAY_UNAVAILABLE", "DeviceFault", "PropertyViolation", "configure_flight_recorder",
+    "cases_started", "clear_found", "found_path", "in_flight", "is_device_fault", "repro_command",
+    "save_failure", "save_record",
 ]
 
 DEVICE_FAULT_EXIT = 75  # worker exit status after a device fault (EX_TEMPFAIL)
+REPLAY_UNAVAILABLE = 3  # ``python -m fuzz replay``: the record cannot run here (impl or backend missing)
 _DEVICE_FAULT_MARKERS = ("illegal memory access", "device-side assert", "cuda error",
                          "unspecified launch failure", "misaligned address", "acceleratorerror")
 
@@ -129,6 +134,27 @@ def flight_path() -> Path | None:
     return None if _flight_dir is None else _flight_dir / f"inflight-{os.getpid()}.json"
 
 
+def found_path() -> Path | None:
+    return None if _flight_dir is None else _flight_dir / f"found-{os.getpid()}.json"
+
+
+def clear_found() -> None:
+    """The item's failure was reported (or a new item starts): nothing is pending."""
+    path = found_path()
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _note_found(record: dict, kind: str, message: str) -> None:
+    """Note the first failing case of the running item (later ones are its shrinks)."""
+    path = found_path()
+    if path is None or path.exists():
+        return
+    _write_json(path, {"record": record, "kind": kind, "message": message, "pid": os.getpid(),
+                       "found": time.time(), "cases": _cases_started, "repro": repro_command(record)})
+
+
 @contextlib.contextmanager
 def in_flight(record: dict):
     """Run one case under ``record``: any exception that is not a property violation or a
@@ -143,10 +169,14 @@ def in_flight(record: dict):
                            "status": "running", "repro": repro_command(record)})
     try:
         yield
-    except (PropertyViolation, HypothesisException):
+    except PropertyViolation as exc:
+        _note_found(exc.record, "violation", exc.reason)
+        raise
+    except HypothesisException:
         raise
     except Exception as exc:
         if is_device_fault(exc):
+            _note_found(record, "device-fault", f"{type(exc).__name__}: {exc}")
             if path is not None and _exit_on_device_fault:
                 _write_json(path, {"record": record, "pid": os.getpid(), "started": time.time(),
                                    "status": "device-fault", "message": f"{type(exc).__name__}: {exc}",
@@ -155,6 +185,7 @@ def in_flight(record: dict):
                 sys.stderr.flush()
                 os._exit(DEVICE_FAULT_EXIT)
             raise DeviceFault(f"{type(exc).__name__}: {exc}", record) from exc
+        _note_found(record, "violation", f"raised {type(exc).__name__}: {exc}")
         raise PropertyViolation(f"raised {type(exc).__name__}: {exc}", record) from exc
     finally:  # the case finished (passed or failed) and the process lives: nothing in flight
         if path is not None:
