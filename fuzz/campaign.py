@@ -233,7 +233,7 @@ def _collect_crashes(out: Path, backend: str, confirm: bool, timeout: float,
             continue
         kind = {"running": "crash", "device-fault": "device-fault", "timeout": "timeout"}.get(status, status)
         message = data.get("message") or f"worker pid {data.get('pid')} died while running this case"
-        extra = {"worker_pid": data.get("pid")}
+        extra = {"worker_pid": data.get("pid"), **({"nodeid": data["nodeid"]} if data.get("nodeid") else {})}
         if confirm and kind in ("crash", "device-fault"):
             extra["confirmed"] = _confirm_signal(data["record"], backend, timeout)
             message += f"; {extra['confirmed']}"
@@ -246,8 +246,9 @@ def _collect_crashes(out: Path, backend: str, confirm: bool, timeout: float,
             continue
         how = "stopped at the hard limit" if stopped else "its worker ended"
         message = f"{data.get('message')} (found, then the run was {how} before it was reported: unshrunk)"
+        extra = {"worker_pid": data.get("pid"), **({"nodeid": data["nodeid"]} if data.get("nodeid") else {})}
         written.append(save_record(out / "failures", data["record"], kind=data.get("kind", "violation"),
-                                   message=message, extra={"worker_pid": data.get("pid")}))
+                                   message=message, extra=extra))
         path.unlink()
     return written
 
@@ -345,7 +346,10 @@ def _junit_tests(path: Path) -> list[dict]:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 break
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        tests.append({"test": name, "outcome": outcome, "seconds": float(case.get("time", 0) or 0)})
+        entry = {"test": name, "outcome": outcome, "seconds": float(case.get("time", 0) or 0)}
+        if outcome == "skipped":
+            entry["reason"] = (case.find("skipped").get("message") or "")[:200]
+        tests.append(entry)
     return tests
 
 
@@ -410,14 +414,22 @@ def _summary(args, *, backend: str, seed: int, start: float, returncode: int, ou
         if data:
             stats[data["nodeid"]] = data
     targets = _read_json(out / "targets.json", {}).get("targets", list(stats))
+    tests = _junit_tests(out / "junit.xml")
+    outcome = {t["test"]: t for t in tests}
     per_target = []
     for nodeid in targets:
         s = stats.get(nodeid, {})
-        per_target.append({"target": nodeid, "rounds": s.get("rounds", 0), "cases": s.get("cases", 0),
+        test = outcome.get(nodeid, {})
+        per_target.append({"target": nodeid, "outcome": test.get("outcome", "not run"),
+                           "rounds": s.get("rounds", 0), "cases": s.get("cases", 0),
                            "seconds": s.get("seconds", 0.0), "worker": s.get("worker"),
-                           "first_failure_case": s.get("first_failure_case")})
-    tests = _junit_tests(out / "junit.xml")
+                           "first_failure_case": s.get("first_failure_case"),
+                           **({"reason": test["reason"]} if test.get("reason") else {})})
     failed_tests = sum(t["outcome"] in ("failed", "error") for t in tests)
+    # A target the test itself skips (not applicable here: an implementation without the
+    # capability) is not starved; one that ran no round for any other reason is.
+    starved = [t["target"] for t in per_target if t["rounds"] == 0 and t["outcome"] != "skipped"]
+    not_applicable = [t["target"] for t in per_target if t["outcome"] == "skipped"]
     return {
         "backend": backend, "impls": args.impl or ["(all declared)"], "seed": seed,
         "profile": args.profile, "workers": args.workers, "database": fuzz_db.describe(args.db),
@@ -429,11 +441,12 @@ def _summary(args, *, backend: str, seed: int, start: float, returncode: int, ou
                    "failed": failed_tests, "skipped": sum(t["outcome"] == "skipped" for t in tests),
                    "cases": sum(t["cases"] for t in per_target),
                    "rounds": sum(t["rounds"] for t in per_target), "failures": len(failures),
-                   "targets": len(per_target),
-                   "targets_without_time": sum(t["rounds"] == 0 for t in per_target)},
+                   "targets": len(per_target), "targets_not_applicable": len(not_applicable),
+                   "targets_without_time": len(starved)},
         # every target's share: a target that ran no round is listed by name
         "targets": per_target,
-        "targets_without_time": [t["target"] for t in per_target if t["rounds"] == 0],
+        "targets_without_time": starved,
+        "targets_not_applicable": not_applicable,
         "replayed_from_database": {k: len(v) for k, v in replayed.items()},
         "not_replayable_here": replayed.get("unavailable", []),
         "tests": tests, "failures": failures,
@@ -448,7 +461,8 @@ def _next_rotation(order: dict, out: Path, per_target: list[dict]) -> int:
     rest = [n for n in collected if n not in first]
     if not rest:
         return 0
-    starved = [t["target"] for t in per_target if t["rounds"] == 0 and t["target"] in rest]
+    starved = [t["target"] for t in per_target
+               if t["rounds"] == 0 and t.get("outcome") != "skipped" and t["target"] in rest]
     if starved:
         return rest.index(starved[0])
     return (int(order.get("rotation", 0)) + 1) % len(rest)
@@ -534,9 +548,13 @@ def campaign_main(argv: list[str]) -> int:
     t = summary["totals"]
     print(f"[fuzz] {t['tests']} tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped; "
           f"{t['cases']} cases in {t['rounds']} rounds; {t['failures']} failure records; "
-          f"{t['targets'] - t['targets_without_time']} of {t['targets']} targets got time")
+          f"{t['targets'] - t['targets_without_time'] - t['targets_not_applicable']} of "
+          f"{t['targets'] - t['targets_not_applicable']} targets got time "
+          f"({t['targets_not_applicable']} not applicable here)")
     for row in summary["targets"]:
-        print(f"[fuzz]   {row['cases']:6d} cases {row['seconds']:8.1f} s  {row['rounds']:3d} rounds  {row['target']}")
+        note = f"  ({row['outcome']}: {row.get('reason', '')})" if row["outcome"] == "skipped" else ""
+        print(f"[fuzz]   {row['cases']:6d} cases {row['seconds']:8.1f} s  {row['rounds']:3d} rounds  "
+              f"{row['target']}{note}")
     if summary["targets_without_time"]:
         print(f"[fuzz] no time (they lead the next campaign): {', '.join(summary['targets_without_time'])}")
     for f in summary["failures"]:

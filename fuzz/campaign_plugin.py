@@ -273,6 +273,7 @@ def pytest_pyfunc_call(pyfuncitem):
     examples = 1
     first_failure = None
     rec.clear_found()
+    rec.set_current_item(pyfuncitem.nodeid)
     _seed_rounds(_round_seed(config.getoption("--fuzz-seed"), pyfuncitem.nodeid, 0))
     while True:
         t0 = time.time()
@@ -284,7 +285,7 @@ def pytest_pyfunc_call(pyfuncitem):
             took = time.time() - t0
             first_failure = first_failure or _first_failure_case(cases_before)
             _write_stats(out, pyfuncitem, rounds=rounds, cases=rec.cases_started() - cases_before,
-                         seconds=round(time.time() - began, 2), started=round(began - start, 2),
+                         seconds=round(time.time() - began, 3), started=round(began - start, 2),
                          worker=getattr(config, "workerinput", {}).get("workerid", "main"),
                          first_failure_case=first_failure)
         if single:

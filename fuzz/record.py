@@ -35,7 +35,7 @@ from .cases import dumps
 __all__ = [
     "DEVICE_FAULT_EXIT", "REPLAY_UNAVAILABLE", "DeviceFault", "PropertyViolation", "configure_flight_recorder",
     "cases_started", "clear_found", "found_path", "in_flight", "is_device_fault", "repro_command",
-    "save_failure", "save_record",
+    "save_failure", "save_record", "set_current_item",
 ]
 
 DEVICE_FAULT_EXIT = 75  # worker exit status after a device fault (EX_TEMPFAIL)
@@ -46,6 +46,14 @@ _DEVICE_FAULT_MARKERS = ("illegal memory access", "device-side assert", "cuda er
 _flight_dir: Path | None = None
 _exit_on_device_fault = False
 _cases_started = 0
+_current_nodeid: str | None = None  # the test item running, named in flight records
+
+
+def set_current_item(nodeid: str | None) -> None:
+    """Name the test item whose cases run next (a campaign worker's plugin sets it), so a
+    record left by a dead worker is attributed to its test."""
+    global _current_nodeid
+    _current_nodeid = nodeid
 
 
 def cases_started() -> int:
@@ -152,7 +160,8 @@ def _note_found(record: dict, kind: str, message: str) -> None:
     if path is None or path.exists():
         return
     _write_json(path, {"record": record, "kind": kind, "message": message, "pid": os.getpid(),
-                       "found": time.time(), "cases": _cases_started, "repro": repro_command(record)})
+                       "found": time.time(), "cases": _cases_started, "repro": repro_command(record),
+                       "nodeid": _current_nodeid})
 
 
 @contextlib.contextmanager
@@ -166,7 +175,7 @@ def in_flight(record: dict):
     path = flight_path()
     if path is not None:
         _write_json(path, {"record": record, "pid": os.getpid(), "started": time.time(),
-                           "status": "running", "repro": repro_command(record)})
+                           "status": "running", "repro": repro_command(record), "nodeid": _current_nodeid})
     try:
         yield
     except PropertyViolation as exc:
@@ -180,7 +189,7 @@ def in_flight(record: dict):
             if path is not None and _exit_on_device_fault:
                 _write_json(path, {"record": record, "pid": os.getpid(), "started": time.time(),
                                    "status": "device-fault", "message": f"{type(exc).__name__}: {exc}",
-                                   "repro": repro_command(record)})
+                                   "repro": repro_command(record), "nodeid": _current_nodeid})
                 sys.stderr.write(f"fuzz: device fault, worker exits: {exc}\n")
                 sys.stderr.flush()
                 os._exit(DEVICE_FAULT_EXIT)
