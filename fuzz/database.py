@@ -59,42 +59,42 @@ def describe(spec: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def _redis_database(url: str, *, check: bool) -> ExampleDatabase:
+def _redis_database(url: str, *, check: bool, what: str) -> ExampleDatabase:
     scheme = urlsplit(url).scheme
     if scheme not in _REDIS_SCHEMES:
-        raise DatabaseError(f"--db must be a directory or a redis:// URL ({', '.join(_REDIS_SCHEMES)}), "
+        raise DatabaseError(f"{what} must be a directory or a redis:// URL ({', '.join(_REDIS_SCHEMES)}), "
                             f"got scheme {scheme!r} in {describe(url)!r}")
     try:
         import redis
         from hypothesis.extra.redis import RedisExampleDatabase
     except ImportError as exc:
-        raise DatabaseError(f"--db {describe(url)} needs the redis client: pip install 'hypothesis[redis]' "
+        raise DatabaseError(f"{what} {describe(url)} needs the redis client: pip install 'hypothesis[redis]' "
                             f"({exc})") from exc
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=10)
         if check:
             client.ping()
     except (ValueError, redis.RedisError) as exc:
-        raise DatabaseError(f"--db {describe(url)}: cannot reach the Redis server: "
+        raise DatabaseError(f"{what} {describe(url)}: cannot reach the Redis server: "
                             f"{type(exc).__name__}: {exc}") from exc
     return RedisExampleDatabase(client)
 
 
 def open_database(spec: str | os.PathLike, *, local_dir: str | os.PathLike | None = None,
-                  read_only: bool = False, check: bool = True) -> ExampleDatabase:
+                  read_only: bool = False, check: bool = True, what: str = "--db") -> ExampleDatabase:
     """The Hypothesis database ``spec`` names (see the module docstring). ``local_dir`` is the
     local half of a Redis database (default ``DEFAULT_LOCAL_DIR``); ``check`` pings the server
-    so a wrong URL fails before any worker starts."""
+    so a wrong URL fails before any worker starts; ``what`` names the setting in errors."""
     spec = str(spec)
     if not spec.strip():
-        raise DatabaseError("--db must be a directory or a redis:// URL, got an empty string")
+        raise DatabaseError(f"{what} must be a directory or a redis:// URL, got an empty string")
     if is_url(spec):
-        shared = _redis_database(spec, check=check)
+        shared = _redis_database(spec, check=check, what=what)
         db: ExampleDatabase = MultiplexedDatabase(
             DirectoryBasedExampleDatabase(str(local_dir or DEFAULT_LOCAL_DIR)), shared)
     else:
         if Path(spec).exists() and not Path(spec).is_dir():
-            raise DatabaseError(f"--db must be a directory or a redis:// URL, got the file {spec!r}")
+            raise DatabaseError(f"{what} must be a directory or a redis:// URL, got the file {spec!r}")
         db = DirectoryBasedExampleDatabase(spec)
     return ReadOnlyDatabase(db) if read_only else db
 
