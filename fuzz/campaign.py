@@ -546,16 +546,20 @@ def campaign_main(argv: list[str]) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(_progress(out, start, args.budget_seconds))
     t = summary["totals"]
+    if args.replay_only:  # Hypothesis skips a test with nothing saved: that is no starvation
+        share = (f"{sum(row['cases'] > 0 for row in summary['targets'])} of {t['targets']} targets had "
+                 f"saved examples to replay")
+    else:
+        share = (f"{t['targets'] - t['targets_without_time'] - t['targets_not_applicable']} of "
+                 f"{t['targets'] - t['targets_not_applicable']} targets got time "
+                 f"({t['targets_not_applicable']} not applicable here)")
     print(f"[fuzz] {t['tests']} tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped; "
-          f"{t['cases']} cases in {t['rounds']} rounds; {t['failures']} failure records; "
-          f"{t['targets'] - t['targets_without_time'] - t['targets_not_applicable']} of "
-          f"{t['targets'] - t['targets_not_applicable']} targets got time "
-          f"({t['targets_not_applicable']} not applicable here)")
+          f"{t['cases']} cases in {t['rounds']} rounds; {t['failures']} failure records; {share}")
     for row in summary["targets"]:
         note = f"  ({row['outcome']}: {row.get('reason', '')})" if row["outcome"] == "skipped" else ""
         print(f"[fuzz]   {row['cases']:6d} cases {row['seconds']:8.1f} s  {row['rounds']:3d} rounds  "
               f"{row['target']}{note}")
-    if summary["targets_without_time"]:
+    if summary["targets_without_time"] and not args.replay_only:
         print(f"[fuzz] no time (they lead the next campaign): {', '.join(summary['targets_without_time'])}")
     for f in summary["failures"]:
         print(f"[fuzz] {f['kind']}: {f['property'] or f['nodeid']}: {f['message']}\n  reproduce: {f['repro']}")
