@@ -239,10 +239,14 @@ def _collect_crashes(out: Path, backend: str, confirm: bool, timeout: float,
             message += f"; {extra['confirmed']}"
         written.append(save_record(out / "failures", data["record"], kind=kind, message=message, extra=extra))
         path.unlink()
+    recorded = [_read_json(p, {}).get("record") for p in (out / "failures").glob("*.json")]
     for path in sorted((out / "inflight").glob("found-*.json")):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
+            continue
+        if data.get("record") in recorded:  # e.g. the device fault its worker exited on
+            path.unlink()
             continue
         how = "stopped at the hard limit" if stopped else "its worker ended"
         message = f"{data.get('message')} (found, then the run was {how} before it was reported: unshrunk)"
