@@ -2,7 +2,8 @@
 
     python -m fuzz --backend interpret --impl native --budget-seconds 600 --seed 1 \\
                    --db .hypothesis/fuzz-db --out fuzz-out [--workers 2] [--properties differential,tie_rule]
-    python -m fuzz replay '<record json>' | path/to/failure.json    # one case, exactly
+    python -m fuzz --replay-only --db redis://host:6379/0 --backend interpret  # per commit: replay the nightly findings
+    python -m fuzz replay '<record json>' | path/to/failure.json    # one case, exactly (exit 1: fails, 3: cannot run here)
     python -m fuzz rerun 'tests/test_fuzz_stateful.py::test_weight_swaps[fused@cpu]' --db DIR --backend cpu
     python -m fuzz list                                              # the properties
 
@@ -35,7 +36,7 @@ def replay_main(argv: list[str]) -> int:
     if record.get("backend") == "interpret":
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     from .properties import replay
-    from .record import DeviceFault, PropertyViolation
+    from .record import REPLAY_UNAVAILABLE, DeviceFault, PropertyViolation
 
     print(f"replaying {record.get('property')} on {record.get('impl') or record.get('router')}"
           f"@{record.get('backend')}", flush=True)
@@ -44,6 +45,11 @@ def replay_main(argv: list[str]) -> int:
     except (PropertyViolation, DeviceFault) as exc:
         print(f"FAIL: {exc}")
         return 1
+    except (RuntimeError, ValueError, KeyError, ImportError, AttributeError) as exc:
+        # Raised before any case ran (every error of a case is a PropertyViolation): the
+        # implementation or backend is not there, e.g. a GPU record replayed on a CPU machine.
+        print(f"UNAVAILABLE: cannot replay here: {type(exc).__name__}: {exc}")
+        return REPLAY_UNAVAILABLE
     print(f"PASS: {json.dumps(metrics, default=str)}")
     return 0
 

@@ -1,21 +1,29 @@
 """The campaign runner behind ``python -m fuzz``: pytest-xdist workers running the fuzz tests
 against one shared Hypothesis example database, for a time budget.
 
-It adds no scheduler of its own. It starts ``pytest -n WORKERS -p fuzz.campaign_plugin`` on the
-fuzz test files in a child process group, with ``TRITON_INTERPRET`` set or cleared for the
-backend; the plugin (:mod:`fuzz.campaign_plugin`) time-boxes each test and records failures.
-pytest-xdist isolates the cases: a worker killed by a segfault, an illegal memory access or the
-hang watchdog is reported as crashed and replaced (``--max-worker-restart``), and the campaign
-goes on. Afterwards the runner
+It adds no scheduler of its own: pytest-xdist runs the workers (and replaces a dead one), the
+Hypothesis database (:mod:`fuzz.database`: a directory, or Redis shared by every machine)
+carries what each worker found to all the others. The runner starts
+``pytest -n WORKERS -p fuzz.campaign_plugin`` on the fuzz test files in a child process group,
+with ``TRITON_INTERPRET`` set or cleared for the backend; the plugin
+(:mod:`fuzz.campaign_plugin`) gives every target its share of the budget and records failures.
+Around that run the runner
 
-* turns flight-recorder files left by dead workers into crash / device-fault / timeout
-  records, and replays each once in a child process to name the signal;
-* writes ``summary.json`` (budget, totals, per-test outcome, cases and rounds, every failure
-  with its one-line reproduction) next to pytest's ``junit.xml``;
+* first replays every failure record the database holds for this backend (each in a child
+  process: a crash stays a crash), before any new case; one that passes now is forgotten;
+* orders the targets: those with known failures first, the rest rotated from where the last
+  campaign left off (a target that got no time leads the next campaign);
+* afterwards turns flight-recorder files left by dead workers into crash / device-fault /
+  timeout records (replaying each once to name the signal), and a failure found while the run
+  was stopped mid-shrink into a violation record; saves each into the database;
+* writes ``summary.json`` (budget, totals, cases and seconds per target, the targets that got
+  no time, every failure with its one-line reproduction) and ``junit.xml`` (pytest's, with a
+  failure added for any record pytest did not report); every failure record counts;
 * prints every reproduction command and exits 1 if anything failed, 2 if no case ran at all.
 
-Running it again with the same ``--db`` resumes: Hypothesis replays every failing and
-interesting example it saved before generating new ones.
+``--replay-only`` is the per-commit run: the database is opened read-only, every saved example
+and every failure record is replayed (records on this backend, whatever backend found them),
+and nothing new is generated or written.
 """
 from __future__ import annotations
 
@@ -32,7 +40,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+from . import database as fuzz_db
 from .huge import REPO_ROOT, child_env
+from .record import REPLAY_UNAVAILABLE
 
 __all__ = ["DEFAULT_TESTS", "build_pytest_command", "campaign_main", "rerun_main"]
 
@@ -48,7 +58,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="implementation under test (name or package.module:attr); repeatable; default: all")
     p.add_argument("--budget-seconds", type=float, default=600.0, help="time budget (default 600)")
     p.add_argument("--seed", type=int, default=None, help="campaign seed (default: random, printed)")
-    p.add_argument("--db", default=".hypothesis/fuzz-db", help="shared example database directory")
+    p.add_argument("--db", default=".hypothesis/fuzz-db",
+                   help="example database: a directory (one machine) or redis://host:port/N (shared by "
+                        "every machine; paired with --db-local)")
+    p.add_argument("--db-local", default=None,
+                   help=f"local directory paired with a Redis --db (default {fuzz_db.DEFAULT_LOCAL_DIR})")
+    p.add_argument("--replay-only", action="store_true",
+                   help="per-commit run: replay the database read-only (saved examples and failure "
+                        "records, on this backend), generate nothing")
     p.add_argument("--out", default="fuzz-out", help="output directory (summary.json, junit.xml, failures/)")
     p.add_argument("--profile", default="nightly", choices=PROFILES, help="settings the campaign derives from")
     p.add_argument("--workers", type=int, default=1, help="pytest-xdist workers (one per core or GPU)")
@@ -100,6 +117,12 @@ def build_pytest_command(args, *, backend: str, out: Path, start: float, seed: i
         cmd += ["-n", str(args.workers), "--max-worker-restart", str(max(8, 4 * args.workers))]
     if single_round:
         cmd.append("--fuzz-single-round")
+    if getattr(args, "db_local", None):
+        cmd += ["--fuzz-db-local", str(args.db_local)]
+    if getattr(args, "replay_only", False):
+        cmd.append("--fuzz-replay-only")
+    if (out / "order.json").exists():
+        cmd += ["--fuzz-order", str(out / "order.json")]
     if getattr(args, "no_shrink", False):
         cmd.append("--fuzz-no-shrink")
     default_size = 1.0 if args.profile == "ci" else 32.0 if backend == "cuda" else 2.0
@@ -163,25 +186,41 @@ def _run_pytest(cmd: list[str], *, env: dict, out: Path, start: float, budget: f
     return proc.returncode
 
 
-def _confirm_signal(record: dict, backend: str, timeout: float) -> str:
-    """Replay a crashed case in a child process and say how that child ended."""
+
+
+def _replay_child(record: dict, backend: str, timeout: float) -> tuple[str, str]:
+    """Replay ``record`` in a child process. Returns (outcome, text): outcome is ``pass``,
+    ``fail``, ``crash`` (killed by a signal), ``timeout`` or ``unavailable``."""
     from .cases import dumps
     cmd = [sys.executable, "-m", "fuzz", "replay", dumps(record)]
     try:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(backend), capture_output=True,
                               text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return f"replay still running after {timeout:.0f} s (hang)"
+        return "timeout", f"replay still running after {timeout:.0f} s (hang)"
     if proc.returncode < 0:
-        return f"replay killed by {signal.Signals(-proc.returncode).name}"
-    return f"replay exited {proc.returncode}: {(proc.stdout + proc.stderr).strip().splitlines()[-1:]}"
+        return "crash", f"replay killed by {signal.Signals(-proc.returncode).name}"
+    lines = (proc.stdout + proc.stderr).strip().splitlines() or [""]
+    verdict = [line for line in lines if line.startswith(("PASS:", "FAIL:", "UNAVAILABLE:"))]
+    outcome = {0: "pass", 1: "fail", REPLAY_UNAVAILABLE: "unavailable"}.get(proc.returncode, "fail")
+    return outcome, verdict[0] if verdict else f"replay exited {proc.returncode}: {lines[-1]}"
+
+
+def _confirm_signal(record: dict, backend: str, timeout: float) -> str:
+    """Replay a crashed case in a child process and say how that child ended."""
+    outcome, text = _replay_child(record, backend, timeout)
+    return text if outcome in ("crash", "timeout") else f"replay {outcome}: {text}"
 
 
 def _collect_crashes(out: Path, backend: str, confirm: bool, timeout: float,
-                     stopped: bool = False) -> None:
+                     stopped: bool = False) -> list[Path]:
     """Flight-recorder files left behind by dead workers become failure records (``stopped``:
-    the runner stopped pytest at its hard limit, so a case still running was interrupted)."""
+    the runner stopped pytest at its hard limit, so a case still running was interrupted).
+    A ``found-*`` note left behind (the worker found a failure, then was stopped or died
+    before reporting it, e.g. while shrinking) becomes a violation record: a found failure is
+    never lost. Returns the records written."""
     from .record import save_record
+    written = []
     for path in sorted((out / "inflight").glob("inflight-*.json")):
         try:
             data = json.loads(path.read_text())
@@ -194,12 +233,72 @@ def _collect_crashes(out: Path, backend: str, confirm: bool, timeout: float,
             continue
         kind = {"running": "crash", "device-fault": "device-fault", "timeout": "timeout"}.get(status, status)
         message = data.get("message") or f"worker pid {data.get('pid')} died while running this case"
-        extra = {"worker_pid": data.get("pid")}
+        extra = {"worker_pid": data.get("pid"), **({"nodeid": data["nodeid"]} if data.get("nodeid") else {})}
         if confirm and kind in ("crash", "device-fault"):
             extra["confirmed"] = _confirm_signal(data["record"], backend, timeout)
             message += f"; {extra['confirmed']}"
-        save_record(out / "failures", data["record"], kind=kind, message=message, extra=extra)
+        written.append(save_record(out / "failures", data["record"], kind=kind, message=message, extra=extra))
         path.unlink()
+    recorded = [_read_json(p, {}).get("record") for p in (out / "failures").glob("*.json")]
+    for path in sorted((out / "inflight").glob("found-*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if data.get("record") in recorded:  # e.g. the device fault its worker exited on
+            path.unlink()
+            continue
+        how = "stopped at the hard limit" if stopped else "its worker ended"
+        message = f"{data.get('message')} (found, then the run was {how} before it was reported: unshrunk)"
+        extra = {"worker_pid": data.get("pid"), **({"nodeid": data["nodeid"]} if data.get("nodeid") else {})}
+        written.append(save_record(out / "failures", data["record"], kind=data.get("kind", "violation"),
+                                   message=message, extra=extra))
+        path.unlink()
+    return written
+
+
+def _finding_matches(finding: dict, *, backend: str, impls: list[str], props: set[str],
+                     any_backend: bool) -> bool:
+    """Whether a failure record of the database belongs to this campaign's selection."""
+    record = finding.get("record")
+    if not record:
+        return False
+    if props and record.get("property") not in props:
+        return False
+    if impls and record.get("impl") is not None and record["impl"] not in impls:
+        return False
+    return any_backend or record.get("backend") == backend
+
+
+def _replay_findings(findings: list[dict], *, backend: str, out: Path, timeout: float,
+                     swap_backend: bool) -> dict:
+    """Replay the database's failure records before anything else, each in a child process (a
+    crash stays a crash). ``swap_backend``: run each on this backend whatever backend found it
+    (the per-commit run). Still failing: a failure record here. Returns what happened to each."""
+    from .record import save_record
+    done = {"failing": [], "fixed": [], "unavailable": []}
+    for finding in findings:
+        record = dict(finding["record"])
+        if swap_backend:
+            record["backend"] = backend
+        outcome, text = _replay_child(record, backend, timeout)
+        who = f"{record.get('property')} on {record.get('impl') or record.get('router')}@{record['backend']}"
+        print(f"[fuzz] replayed from the database: {who}: {outcome} ({text})", flush=True)
+        if outcome == "pass":
+            done["fixed"].append(finding)
+        elif outcome == "unavailable":
+            done["unavailable"].append({"record": record, "reason": text})
+        else:
+            kind = {"crash": "crash", "timeout": "timeout"}.get(outcome, finding.get("kind") or "violation")
+            if kind == "failure":
+                kind = "violation"
+            extra = {"source": "database"}
+            if finding.get("nodeid"):
+                extra["nodeid"] = finding["nodeid"]
+            save_record(out / "failures", record, kind=kind, message=f"replayed from the database: {text}",
+                        extra=extra)
+            done["failing"].append(finding)
+    return done
 
 
 def write_fallback_junit(out: Path) -> Path:
@@ -251,34 +350,137 @@ def _junit_tests(path: Path) -> list[dict]:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 break
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        tests.append({"test": name, "outcome": outcome, "seconds": float(case.get("time", 0) or 0)})
+        entry = {"test": name, "outcome": outcome, "seconds": float(case.get("time", 0) or 0)}
+        if outcome == "skipped":
+            entry["reason"] = (case.find("skipped").get("message") or "")[:200]
+        tests.append(entry)
     return tests
 
 
-def _summary(args, *, backend: str, seed: int, start: float, returncode: int, out: Path) -> dict:
+def reconcile_junit(out: Path) -> None:
+    """Make ``junit.xml`` carry every failure record: a record whose test pytest reported as
+    passed (or never reported: a crash, a failure replayed from the database) gets a
+    ``failure`` element, so no found failure is ever shown to CI as a pass."""
+    path = out / "junit.xml"
+    tree = ET.parse(path)
+    root = tree.getroot()
+    suite = root.find("testsuite") if root.tag == "testsuites" else root
+    cases = {}
+    for case in root.iter("testcase"):
+        nodeid = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
+        cases[nodeid] = case
+    changed = False
+    for record_path in sorted((out / "failures").glob("*.json")):
+        data = json.loads(record_path.read_text())
+        nodeid = data.get("nodeid") or record_nodeid(data.get("record", {}))
+        case = cases.get(nodeid)
+        if case is None:
+            file, _, name = nodeid.partition("::")
+            case = ET.SubElement(suite, "testcase", classname=file.removesuffix(".py").replace("/", "."),
+                                 name=name, time="0")
+            cases[nodeid] = case
+        if case.find("failure") is not None or case.find("error") is not None:
+            continue
+        skipped = case.find("skipped")
+        if skipped is not None:
+            case.remove(skipped)
+        text = f"{data.get('kind')}: {data.get('message')}\nreproduce: {data.get('repro')}"
+        node = ET.SubElement(case, "failure", message=text.splitlines()[0][:200])
+        node.text = text
+        changed = True
+    if changed:
+        for s in root.iter("testsuite"):
+            s.set("failures", str(sum(c.find("failure") is not None for c in s.iter("testcase"))))
+            s.set("tests", str(sum(1 for _ in s.iter("testcase"))))
+            s.set("skipped", str(sum(c.find("skipped") is not None for c in s.iter("testcase"))))
+        tree.write(path, encoding="utf-8", xml_declaration=True)
+
+
+def _read_json(path: Path, default):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return default
+
+
+def _summary(args, *, backend: str, seed: int, start: float, returncode: int, out: Path,
+             order: dict, replayed: dict) -> dict:
     failures = []
     for path in sorted((out / "failures").glob("*.json")):
         data = json.loads(path.read_text())
         failures.append({"kind": data.get("kind"), "property": data.get("record", {}).get("property"),
-                         "nodeid": data.get("nodeid"), "message": data.get("message"),
-                         "repro": data.get("repro"), "file": str(path)})
-    stats = []
+                         "nodeid": data.get("nodeid") or record_nodeid(data.get("record", {})),
+                         "message": data.get("message"), "repro": data.get("repro"),
+                         "source": data.get("source", "campaign"), "file": str(path)})
+    stats = {}
     for path in sorted((out / "stats").glob("*.json")):
-        with open(path) as f:
-            stats.append(json.load(f))
+        data = _read_json(path, None)
+        if data:
+            stats[data["nodeid"]] = data
+    targets = _read_json(out / "targets.json", {}).get("targets", list(stats))
     tests = _junit_tests(out / "junit.xml")
+    outcome = {t["test"]: t for t in tests}
+    per_target = []
+    for nodeid in targets:
+        s = stats.get(nodeid, {})
+        test = outcome.get(nodeid, {})
+        per_target.append({"target": nodeid, "outcome": test.get("outcome", "not run"),
+                           "rounds": s.get("rounds", 0), "cases": s.get("cases", 0),
+                           "seconds": s.get("seconds", 0.0), "worker": s.get("worker"),
+                           "first_failure_case": s.get("first_failure_case"),
+                           **({"reason": test["reason"]} if test.get("reason") else {})})
+    failed_tests = sum(t["outcome"] in ("failed", "error") for t in tests)
+    # A target the test itself skips (not applicable here: an implementation without the
+    # capability) is not starved; one that ran no round for any other reason is.
+    starved = [t["target"] for t in per_target if t["rounds"] == 0 and t["outcome"] != "skipped"]
+    not_applicable = [t["target"] for t in per_target if t["outcome"] == "skipped"]
     return {
         "backend": backend, "impls": args.impl or ["(all declared)"], "seed": seed,
-        "profile": args.profile, "workers": args.workers, "database": str(args.db),
+        "profile": args.profile, "workers": args.workers, "database": fuzz_db.describe(args.db),
+        "mode": "replay-only" if args.replay_only else "campaign",
         "budget_seconds": args.budget_seconds, "wall_seconds": round(time.time() - start, 1),
         "pytest_returncode": returncode,
+        "order": {"first": order.get("first", []), "rotation": order.get("rotation", 0)},
         "totals": {"tests": len(tests), "passed": sum(t["outcome"] == "passed" for t in tests),
-                   "failed": sum(t["outcome"] in ("failed", "error") for t in tests),
-                   "skipped": sum(t["outcome"] == "skipped" for t in tests),
-                   "cases": sum(s.get("cases", 0) for s in stats),
-                   "rounds": sum(s.get("rounds", 0) for s in stats), "failures": len(failures)},
-        "items": stats, "tests": tests, "failures": failures,
+                   "failed": failed_tests, "skipped": sum(t["outcome"] == "skipped" for t in tests),
+                   "cases": sum(t["cases"] for t in per_target),
+                   "rounds": sum(t["rounds"] for t in per_target), "failures": len(failures),
+                   "targets": len(per_target), "targets_not_applicable": len(not_applicable),
+                   "targets_without_time": len(starved)},
+        # every target's share: a target that ran no round is listed by name
+        "targets": per_target,
+        "targets_without_time": starved,
+        "targets_not_applicable": not_applicable,
+        "replayed_from_database": {k: len(v) for k, v in replayed.items()},
+        "not_replayable_here": replayed.get("unavailable", []),
+        "tests": tests, "failures": failures,
     }
+
+
+def _next_rotation(order: dict, out: Path, per_target: list[dict]) -> int:
+    """Where the next campaign starts among the targets without known failures: at the first
+    one that got no time in this campaign, else one further than this campaign started."""
+    collected = _read_json(out / "targets.json", {}).get("collected", [])
+    first = set(order.get("first", []))
+    rest = [n for n in collected if n not in first]
+    if not rest:
+        return 0
+    starved = [t["target"] for t in per_target
+               if t["rounds"] == 0 and t.get("outcome") != "skipped" and t["target"] in rest]
+    if starved:
+        return rest.index(starved[0])
+    return (int(order.get("rotation", 0)) + 1) % len(rest)
+
+
+def _clean_outputs(out: Path) -> None:
+    """This run's results only (the database keeps the history): a stale junit.xml or summary
+    from an earlier run must never stand in for this one's."""
+    for sub in ("failures", "stats", "inflight"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+        for old in (out / sub).glob("*"):
+            old.unlink()
+    for name in ("junit.xml", "summary.json", "targets.json", "order.json", "pytest.log"):
+        (out / name).unlink(missing_ok=True)
 
 
 def campaign_main(argv: list[str]) -> int:
@@ -289,43 +491,106 @@ def campaign_main(argv: list[str]) -> int:
     backend = _backend(args.backend)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     out = Path(args.out).resolve()
-    args.db = str(Path(args.db).resolve())
-    for sub in ("failures", "stats", "inflight"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-        for old in (out / sub).glob("*"):
-            old.unlink()  # this campaign's results only; the database keeps the history
+    if not fuzz_db.is_url(args.db):
+        args.db = str(Path(args.db).resolve())
+    elif args.db_local:
+        args.db_local = str(Path(args.db_local).resolve())
+    else:
+        args.db_local = str((Path.cwd() / fuzz_db.DEFAULT_LOCAL_DIR).resolve())
+    try:  # a wrong URL or a missing server fails here, before any worker starts
+        db = fuzz_db.open_database(args.db, local_dir=args.db_local, read_only=args.replay_only)
+        findings = fuzz_db.load_findings(db)
+        rotation = 0 if args.replay_only else fuzz_db.read_rotation(db)
+    except fuzz_db.DatabaseError as exc:
+        print(f"[fuzz] error: {exc}", file=sys.stderr)
+        return 2
+    _clean_outputs(out)
+    props = {p.strip() for group in args.properties for p in group.split(",") if p.strip()}
+    mine = [f for f in findings if _finding_matches(f, backend=backend, impls=args.impl, props=props,
+                                                    any_backend=args.replay_only)]
+    order = {"first": [f["nodeid"] for f in findings if f.get("nodeid")], "rotation": rotation}
+    (out / "order.json").write_text(json.dumps(order, indent=1))
     gpus = _cuda_count() if backend == "cuda" and args.workers > 1 else 0
     start = time.time()
-    cmd = build_pytest_command(args, backend=backend, out=out, start=start, seed=seed, gpus=gpus)
     print(f"[fuzz] backend {backend}, impl {args.impl or 'all'}, seed {seed}, budget {args.budget_seconds:.0f} s, "
-          f"workers {args.workers}, database {args.db}, out {out}", flush=True)
+          f"workers {args.workers}, database {fuzz_db.describe(args.db)}"
+          f"{' (read-only)' if args.replay_only else ''}, out {out}; {len(findings)} failure records in the "
+          f"database, {len(mine)} for this run; rotation {rotation}", flush=True)
+    replay_timeout = max(30.0, min(args.case_timeout, 300.0))
+    replayed = _replay_findings(mine, backend=backend, out=out, timeout=replay_timeout,
+                                swap_backend=args.replay_only)
+    if not args.replay_only:
+        for finding in replayed["fixed"]:
+            fuzz_db.delete_finding(db, finding)
+    cmd = build_pytest_command(args, backend=backend, out=out, start=time.time() if args.replay_only else start,
+                               seed=seed, gpus=gpus)
     # A round or a shrink may run past the budget; past the grace period pytest is stopped (its
-    # workers' in-flight cases are recorded as interrupted) and the summary is still written.
+    # workers' in-flight cases are recorded as interrupted, their found failures as records)
+    # and the summary is still written.
     hard_limit = start + args.budget_seconds + args.grace_seconds
+    if args.replay_only:
+        hard_limit = time.time() + max(args.budget_seconds, args.case_timeout) + args.grace_seconds
     code = _run_pytest(cmd, env=child_env(backend), out=out, start=start, budget=args.budget_seconds,
                        hard_limit=hard_limit)
     stopped = time.time() > hard_limit
-    _collect_crashes(out, backend, not args.no_confirm and not stopped,
-                     timeout=max(30.0, min(args.case_timeout, hard_limit - time.time())), stopped=stopped)
+    written = _collect_crashes(out, backend, not args.no_confirm and not stopped,
+                               timeout=max(30.0, min(args.case_timeout, hard_limit - time.time())),
+                               stopped=stopped)
+    if not args.replay_only:
+        for path in written:  # the next campaign, on any machine, replays these first
+            fuzz_db.save_finding(db, json.loads(path.read_text()))
     if not (out / "junit.xml").exists():  # pytest stopped before writing it: CI still gets one
         write_fallback_junit(out)
-    summary = _summary(args, backend=backend, seed=seed, start=start, returncode=code, out=out)
+    reconcile_junit(out)
+    summary = _summary(args, backend=backend, seed=seed, start=start, returncode=code, out=out,
+                       order=order, replayed=replayed)
+    if not args.replay_only:
+        fuzz_db.write_rotation(db, _next_rotation(order, out, summary["targets"]))
+        _forget_fixed_nodes(db, findings, summary)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(_progress(out, start, args.budget_seconds))
     t = summary["totals"]
+    if args.replay_only:  # Hypothesis skips a test with nothing saved: that is no starvation
+        share = (f"{sum(row['cases'] > 0 for row in summary['targets'])} of {t['targets']} targets had "
+                 f"saved examples to replay")
+    else:
+        share = (f"{t['targets'] - t['targets_without_time'] - t['targets_not_applicable']} of "
+                 f"{t['targets'] - t['targets_not_applicable']} targets got time "
+                 f"({t['targets_not_applicable']} not applicable here)")
     print(f"[fuzz] {t['tests']} tests: {t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped; "
-          f"{t['cases']} cases in {t['rounds']} rounds; {t['failures']} failure records")
+          f"{t['cases']} cases in {t['rounds']} rounds; {t['failures']} failure records; {share}")
+    for row in summary["targets"]:
+        note = f"  ({row['outcome']}: {row.get('reason', '')})" if row["outcome"] == "skipped" else ""
+        print(f"[fuzz]   {row['cases']:6d} cases {row['seconds']:8.1f} s  {row['rounds']:3d} rounds  "
+              f"{row['target']}{note}")
+    if summary["targets_without_time"] and not args.replay_only:
+        print(f"[fuzz] no time (they lead the next campaign): {', '.join(summary['targets_without_time'])}")
     for f in summary["failures"]:
         print(f"[fuzz] {f['kind']}: {f['property'] or f['nodeid']}: {f['message']}\n  reproduce: {f['repro']}")
     print(f"[fuzz] wrote {out / 'summary.json'} and {out / 'junit.xml'}")
     if stopped:
-        print("[fuzz] note: pytest was stopped at the hard limit; junit.xml was written by the runner "
-              "from the per-test statistics and failure records")
-    if t["cases"] == 0 and not summary["failures"]:
+        print("[fuzz] note: pytest was stopped at the hard limit; junit.xml and the summary count the "
+              "failures found up to then")
+    if summary["failures"] or t["failed"]:
+        return 1
+    if t["cases"] == 0 and not args.replay_only:
         print("[fuzz] error: no case ran (budget too small for this machine, or nothing selected)")
         return 2
-    summary_code = 1 if summary["failures"] else 0
-    return summary_code if stopped else (1 if summary["failures"] or code not in (0, 5) else 0)
+    if args.replay_only:
+        print(f"[fuzz] replayed the database: {t['cases']} saved cases, "
+              f"{summary['replayed_from_database']['fixed']} failure records that pass now")
+        return 0 if code in (0, 5) or stopped else 1
+    return 0 if stopped or code in (0, 5) else 1
+
+
+def _forget_fixed_nodes(db, findings: list[dict], summary: dict) -> None:
+    """A node-only finding (the state machine's) whose test passed in this campaign is fixed."""
+    outcome = {t["test"]: t["outcome"] for t in summary["tests"]}
+    failing = {f["nodeid"] for f in summary["failures"]}
+    for finding in findings:
+        nodeid = finding.get("nodeid")
+        if not finding.get("record") and nodeid and outcome.get(nodeid) == "passed" and nodeid not in failing:
+            fuzz_db.delete_finding(db, finding)
 
 
 def rerun_main(argv: list[str]) -> int:
@@ -341,7 +606,8 @@ def rerun_main(argv: list[str]) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="fuzz-rerun-"))
     ns = _parser().parse_args(["--backend", args.backend, "--db", args.db, "--workers", "0",
                                *[a for impl in args.impl for a in ("--impl", impl)]])
-    ns.db = str(Path(ns.db).resolve())
+    if not fuzz_db.is_url(ns.db):
+        ns.db = str(Path(ns.db).resolve())
     cmd = build_pytest_command(ns, backend=args.backend, out=out, start=time.time(), seed=0, gpus=0,
                                single_round=True, nodeids=[args.nodeid])
     return subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(args.backend)).returncode

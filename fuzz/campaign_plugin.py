@@ -3,19 +3,27 @@
 It turns the ordinary fuzz tests into time-boxed campaign items:
 
 * selects the fuzz targets (tests marked with :func:`fuzz.properties.campaign_target`) of the
-  chosen properties and deselects everything else;
-* loads the ``campaign`` Hypothesis profile (nightly's settings, the campaign's database, a
-  per-round example budget) before the test modules are imported;
-* runs each target in rounds, each with a fresh seed drawn from a stream seeded by the campaign
-  seed and the node id, until the item's share of the time budget is spent: the shared example
-  database replays what earlier rounds, other workers and earlier campaigns found;
-* saves every failure as ``<out>/failures/*.json`` with its one-line reproduction, keeps the
-  flight recorder on (``<out>/inflight``) so a case that kills its worker is still known, and
-  a watchdog ends a worker whose case runs past ``--fuzz-case-timeout``;
-* writes per-item statistics to ``<out>/stats`` for the runner's progress line.
+  chosen properties, deselects everything else, and orders them as the runner says (targets
+  with known failures first, then the list rotated: ``--fuzz-order``), the same on every worker;
+* loads the ``campaign`` Hypothesis profile (nightly's settings, the campaign's database from
+  :mod:`fuzz.database`, a per-round example budget) before the test modules are imported; with
+  ``--fuzz-replay-only`` the profile only replays the (read-only) database and generates nothing;
+* gives every target an equal share of the budget, and every target at least one round: rounds
+  start at one example and double while the share lasts, so a short budget still reaches every
+  target, and a target started past the deadline still runs one one-example round (which
+  replays its saved failures first); each round has a fresh seed drawn from a stream seeded by
+  the campaign seed and the node id;
+* saves every failure as ``<out>/failures/*.json`` with its one-line reproduction, and into the
+  database's findings (other machines and the next commit replay it); keeps the flight recorder
+  on (``<out>/inflight``) so a case that kills its worker, or a failure found while the run was
+  stopped mid-shrink, is still known; a watchdog ends a worker whose case runs past
+  ``--fuzz-case-timeout``;
+* writes per-item statistics to ``<out>/stats`` (rounds, cases, seconds, the case at which the
+  first failure showed) and the ordered target list to ``<out>/targets.json``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,7 +42,12 @@ TIMEOUT_EXIT = 76
 def pytest_addoption(parser):
     group = parser.getgroup("fuzz campaign")
     group.addoption("--fuzz-out", default=None, help="campaign output directory (turns the plugin on)")
-    group.addoption("--fuzz-db", default=".hypothesis/fuzz-db", help="shared example database directory")
+    group.addoption("--fuzz-db", default=".hypothesis/fuzz-db",
+                    help="shared example database: a directory or a redis:// URL")
+    group.addoption("--fuzz-db-local", default=None, help="local directory paired with a Redis database")
+    group.addoption("--fuzz-order", default=None, help="JSON file: {'first': [node ids], 'rotation': N}")
+    group.addoption("--fuzz-replay-only", action="store_true",
+                    help="replay the database (read-only) and generate nothing: the per-commit run")
     group.addoption("--fuzz-start", type=float, default=None, help="campaign start (epoch seconds)")
     group.addoption("--fuzz-budget", type=float, default=60.0, help="campaign budget in seconds")
     group.addoption("--fuzz-seed", type=int, default=0, help="campaign seed")
@@ -62,20 +75,30 @@ def _worker_index(config) -> int:
 def pytest_configure(config):
     if not _active(config):
         return
-    from hypothesis import settings
+    from hypothesis import Phase, settings
 
     from . import profiles
 
+    from .database import open_database
+
     out = Path(config.getoption("--fuzz-out"))
     base = config.getoption("--fuzz-profile")
-    if base == "ci":  # derandomised: one round says all there is to say
+    replay_only = config.getoption("--fuzz-replay-only")
+    # The runner has already checked that the database answers; each worker opens its own client.
+    db = open_database(config.getoption("--fuzz-db"), local_dir=config.getoption("--fuzz-db-local"),
+                       read_only=replay_only, check=False)
+    config._fuzz_db = db
+    if replay_only:  # saved examples only: explicit and reuse phases, never derandomised
+        profiles.register_campaign_profile(db, max_examples=config.getoption("--fuzz-round-examples"),
+                                           parent=base, derandomize=False,
+                                           phases=(Phase.explicit, Phase.reuse))
+    elif base == "ci":  # derandomised: one round says all there is to say
+        config._fuzz_db = None
         settings.register_profile("campaign", parent=settings.get_profile("ci"))
     else:
-        profiles.register_campaign_profile(config.getoption("--fuzz-db"),
-                                           max_examples=config.getoption("--fuzz-round-examples"),
+        profiles.register_campaign_profile(db, max_examples=config.getoption("--fuzz-round-examples"),
                                            parent=base)
-    if config.getoption("--fuzz-no-shrink"):
-        from hypothesis import Phase
+    if config.getoption("--fuzz-no-shrink") and not replay_only:
         settings.register_profile("campaign", parent=settings.get_profile("campaign"),
                                   phases=[p for p in Phase if p not in (Phase.shrink, Phase.explain)])
     settings.load_profile("campaign")
@@ -124,8 +147,38 @@ def pytest_collection_modifyitems(config, items):
         (keep if ok else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-    items[:] = keep
-    config._fuzz_item_count = len(keep)
+    items[:] = order_items(keep, _read_order(config.getoption("--fuzz-order")))
+    config._fuzz_item_count = len(items)
+    _write_json(Path(config.getoption("--fuzz-out")) / "targets.json",
+                {"targets": [item.nodeid for item in items], "collected": [item.nodeid for item in keep]})
+
+
+def _read_order(path: str | None) -> dict:
+    if not path:
+        return {}
+    return json.loads(Path(path).read_text())
+
+
+def order_items(items: list, order: dict) -> list:
+    """Targets with known failures first (in the order given), then the others rotated by
+    ``order['rotation']``: the runner moves the rotation on after every campaign, so a short
+    budget never favours the same targets twice. Every worker computes the same order."""
+    first = [nodeid for nodeid in order.get("first", [])]
+    by_id = {item.nodeid: item for item in items}
+    head = [by_id[nodeid] for nodeid in dict.fromkeys(first) if nodeid in by_id]
+    taken = {item.nodeid for item in head}
+    rest = [item for item in items if item.nodeid not in taken]
+    if rest:
+        shift = int(order.get("rotation", 0)) % len(rest)
+        rest = rest[shift:] + rest[:shift]
+    return head + rest
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
 
 
 def _slug(nodeid: str) -> str:
@@ -150,11 +203,45 @@ def _seed_rounds(seed: int) -> None:
 
 
 def _write_stats(out: Path, item, **stats) -> None:
-    path = out / "stats" / f"{_slug(item.nodeid)}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"nodeid": item.nodeid, "property": _property_of(item), **stats}))
-    os.replace(tmp, path)
+    _write_json(out / "stats" / f"{_slug(item.nodeid)}.json",
+                {"nodeid": item.nodeid, "property": _property_of(item), **stats})
+
+
+@contextlib.contextmanager
+def _round_examples(item, examples: int | None):
+    """Run one round with at most ``examples`` examples (None: the test's own budget). A
+    ``@given`` test's settings are baked in at import, so its settings object is swapped for
+    the round; a test that builds its settings when it runs (the state machine, through
+    :func:`fuzz.profiles.examples`) reads the reloaded campaign profile."""
+    if examples is None:
+        yield
+        return
+    from hypothesis import settings
+
+    fn = getattr(item.obj, "__func__", item.obj)
+    given = getattr(fn, "_hypothesis_internal_use_settings", None)
+    profile = settings.get_profile("campaign")
+    if given is not None:
+        fn._hypothesis_internal_use_settings = settings(given, max_examples=min(examples, given.max_examples))
+    settings.register_profile("campaign", parent=profile, max_examples=min(examples, profile.max_examples))
+    settings.load_profile("campaign")
+    try:
+        yield
+    finally:
+        if given is not None:
+            fn._hypothesis_internal_use_settings = given
+        settings.register_profile("campaign", parent=profile)
+        settings.load_profile("campaign")
+
+
+def _first_failure_case(cases_before: int) -> int | None:
+    """The case (1 = the item's first) at which the running item first failed, if it has."""
+    path = rec.found_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(data.get("cases", 0)) - cases_before
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -169,31 +256,44 @@ def pytest_pyfunc_call(pyfuncitem):
     budget = config.getoption("--fuzz-budget")
     deadline = start + budget
     now = time.time()
-    # Past the budget, later items are skipped, but only once this worker has run a round: a
-    # slow start (a loaded machine, a long collection) must not leave a worker that tested
-    # nothing (the runner also exits 2 when no case ran at all).
-    if now >= deadline and rec.cases_started() > 0 and not config.getoption("--fuzz-single-round"):
-        pytest.skip("campaign budget spent before this item started")
+    # An equal share of what is left among the targets not started yet (time a quick target
+    # did not use goes to the later ones); past the deadline a target still runs one
+    # one-example round, so every target gets time in every campaign, whatever the budget.
     workers = getattr(config, "workerinput", {}).get("workercount", 1)
     items = max(1, getattr(config, "_fuzz_item_count", 1))
-    item_end = min(deadline, now + budget * workers / items)
-    single = config.getoption("--fuzz-single-round") or hyp_settings.default.derandomize
+    started = len(list((out / "stats").glob("*.json"))) if (out / "stats").is_dir() else 0
+    left = max(1, items - started)
+    item_end = min(deadline, now + max(0.0, deadline - now) * min(workers, left) / left)
+    single = (config.getoption("--fuzz-single-round") or config.getoption("--fuzz-replay-only")
+              or hyp_settings.default.derandomize)
+    full = config.getoption("--fuzz-round-examples")
     fn = pyfuncitem.obj
     kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     rounds, cases_before, began = 0, rec.cases_started(), now
-    longest = 0.0
+    examples = 1
+    first_failure = None
+    rec.clear_found()
+    rec.set_current_item(pyfuncitem.nodeid)
     _seed_rounds(_round_seed(config.getoption("--fuzz-seed"), pyfuncitem.nodeid, 0))
     while True:
         t0 = time.time()
         try:
-            fn(**kwargs)
+            with _round_examples(pyfuncitem, None if single else examples):
+                fn(**kwargs)
         finally:
             rounds += 1
-            longest = max(longest, time.time() - t0)
+            took = time.time() - t0
+            first_failure = first_failure or _first_failure_case(cases_before)
             _write_stats(out, pyfuncitem, rounds=rounds, cases=rec.cases_started() - cases_before,
-                         seconds=round(time.time() - began, 2))
-        if single or time.time() + longest > item_end:
+                         seconds=round(time.time() - began, 3), started=round(began - start, 2),
+                         worker=getattr(config, "workerinput", {}).get("workerid", "main"),
+                         first_failure_case=first_failure)
+        if single:
             return True
+        grown = min(2 * examples, full)
+        if time.time() + took * grown / examples > item_end:  # the next round would not fit
+            return True
+        examples = grown
 
 
 def _violations(exc: BaseException | None, seen=None):
@@ -221,20 +321,29 @@ def pytest_runtest_makereport(item, call):
     out = Path(config.getoption("--fuzz-out")) / "failures"
     extra = {"nodeid": item.nodeid, "worker": getattr(config, "workerinput", {}).get("workerid", "main")}
     found = list(_violations(call.excinfo.value))
+    saved = []
     for exc in found:
         kind = "device-fault" if isinstance(exc, rec.DeviceFault) else "violation"
-        rec.save_record(out, exc.record, kind=kind, message=getattr(exc, "reason", str(exc)), extra=extra)
+        saved.append(rec.save_record(out, exc.record, kind=kind, message=getattr(exc, "reason", str(exc)),
+                                     extra=extra))
     if not found:  # e.g. the weight-swap machine: the database replays it through the node id
         text = str(call.excinfo.value).strip().splitlines()
-        rec.save_failure(out, item.nodeid, message=text[0] if text else repr(call.excinfo.value),
-                         repro=rerun_command(config, item.nodeid), extra=extra)
+        saved.append(rec.save_failure(out, item.nodeid, message=text[0] if text else repr(call.excinfo.value),
+                                      repro=rerun_command(config, item.nodeid), extra=extra))
+    rec.clear_found()  # reported: nothing left pending for the runner
+    db = getattr(config, "_fuzz_db", None)
+    if db is not None and not config.getoption("--fuzz-replay-only"):
+        from .database import save_finding
+        for path in saved:  # other machines and the next commit replay these
+            save_finding(db, json.loads(path.read_text()))
 
 
 def rerun_command(config, nodeid: str) -> str:
     """The one-line command that replays a failing node from the campaign's database."""
     import shlex
     backends = config.getoption("--backend") or ["cpu"]
-    parts = ["python -m fuzz rerun", shlex.quote(nodeid), "--db", shlex.quote(config.getoption("--fuzz-db")),
+    from .database import describe
+    parts = ["python -m fuzz rerun", shlex.quote(nodeid), "--db", shlex.quote(describe(config.getoption("--fuzz-db"))),
              "--backend", shlex.quote(backends[0])]
     for impl in config.getoption("--impl") or []:
         parts += ["--impl", shlex.quote(impl)]

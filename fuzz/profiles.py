@@ -8,15 +8,19 @@ drops that variable, so the profile is always named on the command line instead.
   the Triton interpreter can take minutes; the first failing example is reported as found, with
   its exact one-line replay (``dev`` shrinks).
 * ``dev``: random, with the default local database, a few times the ci budget.
-* ``nightly``: random, large budgets, no deadline, a shared ``DirectoryBasedExampleDatabase``
-  (``NIGHTLY_DATABASE``, relative to the working directory) so failures found overnight replay
-  first the next night. The campaign runner derives its own profile from this one with the
-  database it is given.
+* ``nightly``: random, large budgets, no deadline, a shared example database so failures found
+  overnight replay first the next night: ``$FUZZ_DB`` when set (a directory or a
+  ``redis://`` URL, :mod:`fuzz.database`; how HypoFuzz or a plain ``pytest`` run joins the
+  campaigns' database), else the directory ``NIGHTLY_DATABASE`` (relative to the working
+  directory). The campaign runner derives its own profile from this one with the database it
+  is given.
 
 Tests scale their per-test budget with :func:`examples` and their shape budget with
 :func:`size_budget`, both read from the profile that is loaded, so one test file serves all three.
 """
 from __future__ import annotations
+
+import os
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
@@ -38,21 +42,32 @@ settings.register_profile(
 settings.register_profile(
     "dev", max_examples=50, deadline=None, print_blob=True, suppress_health_check=_SLOW_OK,
 )
+def _nightly_database():
+    spec = os.environ.get("FUZZ_DB", "").strip()
+    if not spec:
+        return DirectoryBasedExampleDatabase(NIGHTLY_DATABASE)
+    from .database import open_database
+    return open_database(spec, check=False, what="FUZZ_DB")  # a Redis URL connects on first use
+
+
 settings.register_profile(
     "nightly", max_examples=2000, deadline=None, print_blob=True,
-    database=DirectoryBasedExampleDatabase(NIGHTLY_DATABASE), suppress_health_check=_SLOW_OK,
+    database=_nightly_database(), suppress_health_check=_SLOW_OK,
 )
 
 
-def register_campaign_profile(database_dir: str, *, max_examples: int, parent: str = "nightly") -> str:
+def register_campaign_profile(database, *, max_examples: int, parent: str = "nightly", **overrides) -> str:
     """Register (and return the name of) the campaign profile: ``parent``'s settings (nightly by
-    default) with the campaign's database directory and a per-round example budget (the runner
-    loops rounds until its time is spent)."""
+    default) with the campaign's database (a directory, or any Hypothesis ``ExampleDatabase``:
+    see :mod:`fuzz.database`) and a per-round example budget (the runner loops rounds until its
+    time is spent). ``overrides`` are further settings (the replay-only run's phases)."""
     if max_examples < 1:
         raise ValueError(f"max_examples must be >= 1, got {max_examples}")
+    if isinstance(database, (str, bytes)) or hasattr(database, "__fspath__"):
+        database = DirectoryBasedExampleDatabase(database)
     settings.register_profile(
         "campaign", parent=settings.get_profile(parent), max_examples=max_examples,
-        database=DirectoryBasedExampleDatabase(database_dir),
+        database=database, **overrides,
     )
     return "campaign"
 

@@ -10,7 +10,10 @@ A *record* is a JSON-ready dict naming everything a check needs to run again exa
 The flight recorder is how a campaign survives a case that kills its process (a segfault under
 the interpreter, an illegal memory access on a GPU, a hang): before each case the worker writes the
 record to ``<dir>/inflight-<pid>.json`` and removes it afterwards, so a record still there once
-the worker is gone names the case that killed it. A CUDA error poisons the process's context, so
+the worker is gone names the case that killed it. The first case of a test item that fails is
+also noted (``found-<pid>.json``) until the item's failure is reported: a campaign stopped while
+Hypothesis was still shrinking it, or a worker that died meanwhile, still yields the record (a
+found failure is never lost to a stop). A CUDA error poisons the process's context, so
 in a campaign the worker marks the record as a device fault and exits at once; pytest-xdist then
 starts a fresh worker and the campaign goes on.
 """
@@ -30,17 +33,27 @@ from hypothesis.errors import HypothesisException
 from .cases import dumps
 
 __all__ = [
-    "DEVICE_FAULT_EXIT", "DeviceFault", "PropertyViolation", "configure_flight_recorder",
-    "cases_started", "in_flight", "is_device_fault", "repro_command", "save_failure", "save_record",
+    "DEVICE_FAULT_EXIT", "REPLAY_UNAVAILABLE", "DeviceFault", "PropertyViolation", "configure_flight_recorder",
+    "cases_started", "clear_found", "found_path", "in_flight", "is_device_fault", "repro_command",
+    "save_failure", "save_record", "set_current_item",
 ]
 
 DEVICE_FAULT_EXIT = 75  # worker exit status after a device fault (EX_TEMPFAIL)
+REPLAY_UNAVAILABLE = 3  # ``python -m fuzz replay``: the record cannot run here (impl or backend missing)
 _DEVICE_FAULT_MARKERS = ("illegal memory access", "device-side assert", "cuda error",
                          "unspecified launch failure", "misaligned address", "acceleratorerror")
 
 _flight_dir: Path | None = None
 _exit_on_device_fault = False
 _cases_started = 0
+_current_nodeid: str | None = None  # the test item running, named in flight records
+
+
+def set_current_item(nodeid: str | None) -> None:
+    """Name the test item whose cases run next (a campaign worker's plugin sets it), so a
+    record left by a dead worker is attributed to its test."""
+    global _current_nodeid
+    _current_nodeid = nodeid
 
 
 def cases_started() -> int:
@@ -129,6 +142,28 @@ def flight_path() -> Path | None:
     return None if _flight_dir is None else _flight_dir / f"inflight-{os.getpid()}.json"
 
 
+def found_path() -> Path | None:
+    return None if _flight_dir is None else _flight_dir / f"found-{os.getpid()}.json"
+
+
+def clear_found() -> None:
+    """The item's failure was reported (or a new item starts): nothing is pending."""
+    path = found_path()
+    if path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _note_found(record: dict, kind: str, message: str) -> None:
+    """Note the first failing case of the running item (later ones are its shrinks)."""
+    path = found_path()
+    if path is None or path.exists():
+        return
+    _write_json(path, {"record": record, "kind": kind, "message": message, "pid": os.getpid(),
+                       "found": time.time(), "cases": _cases_started, "repro": repro_command(record),
+                       "nodeid": _current_nodeid})
+
+
 @contextlib.contextmanager
 def in_flight(record: dict):
     """Run one case under ``record``: any exception that is not a property violation or a
@@ -140,21 +175,26 @@ def in_flight(record: dict):
     path = flight_path()
     if path is not None:
         _write_json(path, {"record": record, "pid": os.getpid(), "started": time.time(),
-                           "status": "running", "repro": repro_command(record)})
+                           "status": "running", "repro": repro_command(record), "nodeid": _current_nodeid})
     try:
         yield
-    except (PropertyViolation, HypothesisException):
+    except PropertyViolation as exc:
+        _note_found(exc.record, "violation", exc.reason)
+        raise
+    except HypothesisException:
         raise
     except Exception as exc:
         if is_device_fault(exc):
+            _note_found(record, "device-fault", f"{type(exc).__name__}: {exc}")
             if path is not None and _exit_on_device_fault:
                 _write_json(path, {"record": record, "pid": os.getpid(), "started": time.time(),
                                    "status": "device-fault", "message": f"{type(exc).__name__}: {exc}",
-                                   "repro": repro_command(record)})
+                                   "repro": repro_command(record), "nodeid": _current_nodeid})
                 sys.stderr.write(f"fuzz: device fault, worker exits: {exc}\n")
                 sys.stderr.flush()
                 os._exit(DEVICE_FAULT_EXIT)
             raise DeviceFault(f"{type(exc).__name__}: {exc}", record) from exc
+        _note_found(record, "violation", f"raised {type(exc).__name__}: {exc}")
         raise PropertyViolation(f"raised {type(exc).__name__}: {exc}", record) from exc
     finally:  # the case finished (passed or failed) and the process lives: nothing in flight
         if path is not None:
