@@ -46,7 +46,11 @@ from .record import REPLAY_UNAVAILABLE
 
 __all__ = ["DEFAULT_TESTS", "build_pytest_command", "campaign_main", "rerun_main"]
 
-DEFAULT_TESTS = ("tests/test_fuzz_properties.py", "tests/test_fuzz_huge.py", "tests/test_fuzz_stateful.py")
+# The fuzz tests beside this package (the checkout's tests/, or magi_moe/tests/ when installed),
+# relative to REPO_ROOT, where the campaign's pytest runs.
+_TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
+DEFAULT_TESTS = tuple(str((_TESTS_DIR / name).relative_to(REPO_ROOT)) for name in (
+    "test_fuzz_properties.py", "test_fuzz_huge.py", "test_fuzz_stateful.py"))
 PROFILES = ("nightly", "dev", "ci")
 
 
@@ -104,7 +108,7 @@ def build_pytest_command(args, *, backend: str, out: Path, start: float, seed: i
                          gpus: int, single_round: bool = False, nodeids=()) -> list[str]:
     props = ",".join(p.strip() for group in args.properties for p in group.split(",") if p.strip())
     cmd = [sys.executable, "-m", "pytest", *(nodeids or args.tests),
-           "-p", "fuzz.campaign_plugin", "-p", "no:cacheprovider", "-q", "-rfE",
+           "-p", "magi_moe.fuzz.campaign_plugin", "-p", "no:cacheprovider", "-q", "-rfE",
            "-W", "ignore::RuntimeWarning", "--backend", backend,
            "--fuzz-out", str(out), "--fuzz-db", str(args.db), "--fuzz-start", repr(start),
            "--fuzz-budget", repr(float(args.budget_seconds)), "--fuzz-seed", str(seed),
@@ -192,7 +196,7 @@ def _replay_child(record: dict, backend: str, timeout: float) -> tuple[str, str]
     """Replay ``record`` in a child process. Returns (outcome, text): outcome is ``pass``,
     ``fail``, ``crash`` (killed by a signal), ``timeout`` or ``unavailable``."""
     from .cases import dumps
-    cmd = [sys.executable, "-m", "fuzz", "replay", dumps(record)]
+    cmd = [sys.executable, "-m", "magi_moe.fuzz", "replay", dumps(record)]
     try:
         proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(backend), capture_output=True,
                               text=True, timeout=timeout)

@@ -93,8 +93,9 @@ def make_target(impl: str | Implementation, backend: str | Backend, *, spec: str
 
 
 def spec_for(impl: Implementation) -> str:
-    """How a fresh process loads ``impl``: ``package.module:attr`` when a module outside
-    magi_moe holds it (outside and deliberately broken implementations), else its registered name."""
+    """How a fresh process loads ``impl``: its registered name for a built-in, else the
+    ``package.module:attr`` of a module that holds it (outside and deliberately broken
+    implementations)."""
     import sys
 
     from magi_moe.impls import BUILTINS
@@ -106,7 +107,7 @@ def spec_for(impl: Implementation) -> str:
         return known[1]
     found = []
     for module_name, module in list(sys.modules.items()):
-        if module is None or module_name.split(".")[0] in ("magi_moe", "__main__"):
+        if module is None or module_name == "__main__":
             continue
         attr = next((a for a, v in list(getattr(module, "__dict__", {}).items())
                      if v is impl and not a.startswith("_")), None)

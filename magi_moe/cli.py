@@ -31,7 +31,9 @@ def check(argv: list[str]) -> int:
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER,
                         help="after --: passed to pytest (e.g. -k tie -x)")
     args = parser.parse_args(argv)
-    extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    extra = list(args.pytest_args)
+    if "--" in extra:  # argparse keeps the separator in REMAINDER
+        extra = extra[extra.index("--") + 1:]
     env = dict(os.environ)
     if "interpret" in args.backend:
         env["TRITON_INTERPRET"] = "1"

@@ -2,6 +2,10 @@
 is merged into the tabled classes without disturbing the others."""
 from __future__ import annotations
 
+import pytest
+
+pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
+
 import math
 
 from magi_moe.benchmark import best_tiles, merged_classes

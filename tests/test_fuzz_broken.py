@@ -6,6 +6,8 @@ failing example is enough to show the catch; campaigns shrink)."""
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test

@@ -98,8 +98,8 @@ def test_every_failure_record_counts_in_summary_and_junit(tmp_path):
     """A failure record whose test pytest reported as passed or skipped, or never reported (a
     worker crash, a failure found mid-shrink when the run was stopped), still fails the test in
     junit.xml and counts in summary.json."""
-    from fuzz.campaign import _summary, reconcile_junit
-    from fuzz.record import save_record
+    from magi_moe.fuzz.campaign import _summary, reconcile_junit
+    from magi_moe.fuzz.record import save_record
 
     passed = "tests/test_fuzz_properties.py::test_differential[native@interpret]"
     skipped = "tests/test_fuzz_properties.py::test_linearity[native@interpret]"
@@ -126,8 +126,8 @@ def test_every_failure_record_counts_in_summary_and_junit(tmp_path):
 def test_a_failure_found_before_a_stop_is_recorded(tmp_path):
     """The first failing case of an item is noted when it fails; if the worker is stopped (or
     dies) while Hypothesis shrinks it, the runner still turns the note into a failure record."""
-    from fuzz import record as rec
-    from fuzz.campaign import _collect_crashes
+    from magi_moe.fuzz import record as rec
+    from magi_moe.fuzz.campaign import _collect_crashes
 
     rec.configure_flight_recorder(tmp_path / "inflight")
     try:
@@ -149,7 +149,7 @@ def test_a_failure_found_before_a_stop_is_recorded(tmp_path):
 
 
 def test_stale_outputs_never_stand_in_for_this_run(tmp_path):
-    from fuzz.campaign import _clean_outputs
+    from magi_moe.fuzz.campaign import _clean_outputs
 
     for name in ("junit.xml", "summary.json", "failures/old.json", "stats/old.json"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -166,7 +166,7 @@ class _Item:
 
 
 def test_order_puts_known_failures_first_then_rotates():
-    from fuzz.campaign_plugin import order_items
+    from magi_moe.fuzz.campaign_plugin import order_items
 
     items = [_Item(f"t{i}") for i in range(5)]
     order = {"first": ["t3", "gone"], "rotation": 7}  # 7 mod 4 others = 3
@@ -175,7 +175,7 @@ def test_order_puts_known_failures_first_then_rotates():
 
 
 def test_targets_without_time_lead_the_next_campaign(tmp_path):
-    from fuzz.campaign import _next_rotation
+    from magi_moe.fuzz.campaign import _next_rotation
 
     (tmp_path / "targets.json").write_text(json.dumps({"collected": ["t0", "t1", "t2", "t3"]}))
     rows = [{"target": t, "rounds": r} for t, r in (("t2", 1), ("t3", 1), ("t0", 0), ("t1", 0))]

@@ -18,12 +18,12 @@ import time
 
 import pytest
 
-from fuzz.huge import REPO_ROOT, child_env
+from magi_moe.fuzz.huge import REPO_ROOT, child_env
 
 redis = pytest.importorskip("redis", reason="the shared database needs the redis client (pip install 'hypothesis[redis]')")
 pytest.importorskip("xdist", reason="the campaign runner scales out with pytest-xdist")
 
-BROKEN = "tests.fuzz_broken:empty_expert_garbage"
+BROKEN = "magi_moe.tests.fuzz_broken:empty_expert_garbage"
 TARGET = "tests/test_fuzz_properties.py::test_empty_experts[broken-empty-expert@cpu]"
 
 
@@ -133,7 +133,7 @@ def test_machines_share_findings_through_redis(redis_url, tmp_path):
 
 
 def test_wrong_database_url_is_refused_before_any_worker(tmp_path, capsys):
-    from fuzz.campaign import campaign_main
+    from magi_moe.fuzz.campaign import campaign_main
 
     for db, reason in (("http://127.0.0.1:1/0", "redis:// URL"),
                        ("redis://127.0.0.1:1/0", "cannot reach the Redis server"),

@@ -6,6 +6,8 @@ toy cache being caught is in tests/test_fuzz_broken.py."""
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 

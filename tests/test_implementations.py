@@ -10,7 +10,7 @@ import torch
 from magi_moe.config import MoEConfig, preset
 from magi_moe.problems import random_problem, routes_to, run_poisoned
 
-from numerics import assert_matches_oracle
+from magi_moe.tests.numerics import assert_matches_oracle
 
 pytestmark = pytest.mark.kernels_only
 

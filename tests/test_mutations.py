@@ -8,13 +8,15 @@ import sys
 
 import pytest
 
+pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
+
 import magi_moe.kernels.native as native
 from magi_moe.backends import get_backend
 from magi_moe.config import preset
 from magi_moe.problems import random_problem, run_poisoned
 from magi_moe.registry import Implementation
 
-from numerics import assert_matches_oracle
+from magi_moe.tests.numerics import assert_matches_oracle
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

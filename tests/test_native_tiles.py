@@ -4,6 +4,8 @@ arithmetic: no GPU needed."""
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
 import torch
 
 from magi_moe.config import MoEConfig, preset
