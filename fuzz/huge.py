@@ -98,7 +98,6 @@ def run_huge_case(case: HugeCase, *, impl: str, device: str = "cpu", mode: str =
     ``impl``: how to load the implementation (a registered name or ``package.module:attr``).
     ``mode="launcher"``: through its declared :class:`~magi_moe.implementation.RowLauncher`
     (a caller-owned accumulator); ``mode="forward"``: its ordinary ``forward`` (real output)."""
-    from magi_moe.kernels.native import reduce_route_rows
     from magi_moe.reference import expert_reference
     from magi_moe.registry import get_implementation
 
@@ -122,6 +121,8 @@ def run_huge_case(case: HugeCase, *, impl: str, device: str = "cpu", mode: str =
         guard_ok = bool((out[guards] == 0).all()) if guards.numel() else True
         del out
     elif launcher.writes == "route_rows":
+        from magi_moe.kernels.native import reduce_route_rows  # Triton, only for a launcher
+
         rows = torch.full((p.table.num_routes, cfg.head_dim), float("nan"), device=device)
         _load(launcher.spec)(p.x, p.table, p.weights, cfg, rows, deterministic=True)
         result = reduce_route_rows(rows, p.small_table, cfg)
