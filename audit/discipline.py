@@ -22,7 +22,6 @@ import torch
 from magi_moe.problems import Problem
 from magi_moe.registry import Implementation
 
-from .cache import layer_output_ok
 
 ALLOCATION_COUNTER = "allocation.all.allocated"
 BYTES_COUNTER = "allocated_bytes.all.allocated"
@@ -103,14 +102,15 @@ def audit_discipline(impl: Implementation, problem: Problem, *, warmup: int = 3,
 
 def audit_layer_discipline(make_layer: Callable[[], torch.nn.Module], *, num_tokens: int = 4096,
                            seed: int = 0, label: str = "", warmup: int = 3,
-                           calls: int = 5) -> DisciplineReport:
+                           calls: int = 5, config=None) -> DisciplineReport:
     """The whole layer forward (routing included) of a CUDA layer: no host sync, and at most one
-    allocation per call -- the returned output (reported as allocations beyond it)."""
+    allocation per call -- the returned output (reported as allocations beyond it). ``config``:
+    the layer's configuration (default ``layer.config``, for layers that carry one)."""
     layer = make_layer()
-    device = layer.W_gate.device
+    device = next(layer.parameters()).device
     if device.type != "cuda":
         raise ValueError(f"the discipline auditor needs a CUDA layer, got device {device}")
-    cfg = layer.config
+    cfg = config if config is not None else layer.config
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, cfg.hidden_size, generator=gen).to(dtype=cfg.dtype, device=device)
     with torch.no_grad():
@@ -142,15 +142,17 @@ class CompileReport:
 
 
 def audit_compile(make_layer: Callable[[], torch.nn.Module], *, num_tokens: int = 256,
-                  seed: int = 0, label: str = "") -> CompileReport:
+                  seed: int = 0, label: str = "", config=None) -> CompileReport:
     """Compile the layer ``make_layer()`` builds, run it, and check its output against the float64
-    reference on the layer's weights (routing recomputed as the layer does)."""
+    reference on the layer's weights (routing recomputed from its state dict)."""
+    from .graphs import fresh
+
     layer = make_layer()
     label = label or type(layer).__name__
-    cfg = layer.config
+    cfg = config if config is not None else layer.config
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, cfg.hidden_size, generator=gen).to(
-        dtype=cfg.dtype, device=layer.W_gate.device)
+        dtype=cfg.dtype, device=next(layer.parameters()).device)
     try:
         torch._dynamo.reset()
         compiled = torch.compile(layer)
@@ -158,5 +160,5 @@ def audit_compile(make_layer: Callable[[], torch.nn.Module], *, num_tokens: int 
         y = compiled(x)  # the second call runs the cached graph
     except Exception as exc:  # noqa: BLE001 -- a compile failure is the finding
         return CompileReport(label, "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-    ok, how = layer_output_ok(layer, x, y)
+    ok, how = fresh(cfg, layer, x, y)
     return CompileReport(label, "pass" if ok else "FAIL", f"compiled output vs float64 reference: {how}")

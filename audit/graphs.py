@@ -1,7 +1,8 @@
 """CUDA-graph replay auditor (CONTRACT section 8b): capture a layer's forward, change its
 weights by each route, replay, and compare with the float64 reference of the *new* weights.
 
-A captured graph replays the device addresses it captured, and no Python runs on replay: a
+Two ways of capturing: ``torch.cuda.CUDAGraph`` directly, and ``torch.compile(layer,
+mode="reduce-overhead")`` (inductor's CUDA graphs). A captured graph replays the device addresses it captured, and no Python runs on replay: a
 change that writes the existing storage is seen, a change that swaps storage is not (the
 replay reads the old buffer, or whatever the allocator put there since). Each route ends as:
 
@@ -139,7 +140,8 @@ def fresh(config: MoEConfig, layer, x: torch.Tensor, y: torch.Tensor) -> tuple[b
 
 
 def _capture(layer, x: torch.Tensor):
-    """Warm up on a side stream (as torch.cuda.graphs asks), then capture ``y = layer(x)``."""
+    """Warm up on a side stream (as torch.cuda.graphs asks), then capture ``y = layer(x)``;
+    returns ``replay() -> y``."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.no_grad():
@@ -149,47 +151,64 @@ def _capture(layer, x: torch.Tensor):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
         y = layer(x)
-    return graph, y
+
+    def replay():
+        graph.replay()
+        torch.cuda.synchronize()
+        return y
+    return replay
+
+
+def _compile(layer, x: torch.Tensor):
+    """``torch.compile(layer, mode="reduce-overhead")``: inductor's CUDA graphs, recorded over
+    the first calls; returns ``replay() -> y`` (a copy: the graph's output is reused)."""
+    compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=False)
+
+    def replay():
+        with torch.no_grad():
+            y = compiled(x).clone()
+        torch.cuda.synchronize()
+        return y
+    for _ in range(3):
+        replay()
+    return replay
+
+
+CAPTURES = {"cudagraph": _capture, "compile": _compile}
 
 
 def _audit_route(make_layer: LayerFactory, config: MoEConfig, graph_route: GraphRoute,
-                 parameter: str, *, num_tokens: int, seed: int, device) -> GraphResult:
+                 parameter: str, *, num_tokens: int, seed: int, device, capture: str) -> GraphResult:
     state = draw_state(config, seed, device)
     new = draw_state(config, seed + 1, device)[parameter]
     layer = make_layer(config, state, device)
     promised = dict(getattr(layer, "graph_promises", {}) or {}).get(graph_route.name, GRAPH_SAFE)
     gen = torch.Generator().manual_seed(seed + 7)
     x = torch.randn(num_tokens, config.hidden_size, generator=gen).to(dtype=config.dtype, device=device)
+    route_name = graph_route.name if capture == "cudagraph" else f"{graph_route.name} ({capture})"
 
     def result(status, detail, recapture_ok=None):
-        return GraphResult(graph_route.name, parameter, status, promised, detail, recapture_ok)
+        return GraphResult(route_name, parameter, status, promised, detail, recapture_ok)
 
     try:
-        graph, y = _capture(layer, x)
-        graph.replay()
-        torch.cuda.synchronize()
-        ok, how = fresh(config, layer, x, y)
+        replay = CAPTURES[capture](layer, x)
+        ok, how = fresh(config, layer, x, replay())
         if not ok:
-            return GraphResult(graph_route.name, parameter, STALE, GRAPH_SAFE,
+            return GraphResult(route_name, parameter, STALE, GRAPH_SAFE,
                                f"wrong before any change ({how})")
     except Exception as exc:  # noqa: BLE001 -- a layer that cannot be captured is a finding
-        return GraphResult(graph_route.name, parameter, REFUSED, promised,
-                           f"capture failed: {type(exc).__name__}: {exc}", None)
+        return result(REFUSED, f"capture failed: {type(exc).__name__}: {str(exc)[:300]}")
     try:
         graph_route.apply(layer, parameter, new)
-        graph.replay()
-        torch.cuda.synchronize()
+        y = replay()
     except Exception as exc:  # noqa: BLE001 -- a refusal, reported with its reason
-        return result(REFUSED, f"{type(exc).__name__}: {exc}")
+        return result(REFUSED, f"{type(exc).__name__}: {str(exc)[:300]}")
     ok, how = fresh(config, layer, x, y)
     if ok:
         return result(GRAPH_SAFE, f"replay used the new weights ({how})")
     # stale: does a fresh capture see the new weights (what "recapture" promises)?
     try:
-        graph2, y2 = _capture(layer, x)
-        graph2.replay()
-        torch.cuda.synchronize()
-        recaptured, how2 = fresh(config, layer, x, y2)
+        recaptured, how2 = fresh(config, layer, x, CAPTURES[capture](layer, x)())
     except Exception as exc:  # noqa: BLE001
         recaptured, how2 = False, f"recapture failed: {type(exc).__name__}: {exc}"
     return result(STALE, f"replay served the old weights ({how}); after recapture: "
@@ -199,16 +218,23 @@ def _audit_route(make_layer: LayerFactory, config: MoEConfig, graph_route: Graph
 def audit_graph_replay(make_layer: LayerFactory, config: MoEConfig, *, device="cuda",
                        num_tokens: int = 64, seed: int = 0,
                        parameters: tuple[str, ...] = ("W_gate", "W_down"),
+                       captures: tuple[str, ...] = ("cudagraph", "compile"),
                        on_result: Callable[[GraphResult], None] | None = None) -> list[GraphResult]:
-    """Every route of :data:`GRAPH_ROUTES` for each of ``parameters``, on a fresh layer each."""
+    """Every route of :data:`GRAPH_ROUTES` for each of ``parameters`` and each way of capturing
+    (``cudagraph``: ``torch.cuda.CUDAGraph``; ``compile``: ``torch.compile(mode=
+    "reduce-overhead")``), on a fresh layer each."""
     if torch.device(device).type != "cuda":
         raise ValueError(f"device must be a CUDA device (CUDA graphs), got {device!r}")
+    unknown = set(captures) - set(CAPTURES)
+    if not captures or unknown:
+        raise ValueError(f"captures must be a non-empty subset of {tuple(CAPTURES)}, got {captures}")
     results = []
-    for graph_route in GRAPH_ROUTES:
-        for parameter in parameters:
-            found = _audit_route(make_layer, config, graph_route, parameter,
-                                 num_tokens=num_tokens, seed=seed, device=device)
-            results.append(found)
-            if on_result is not None:
-                on_result(found)
+    for capture in captures:
+        for graph_route in GRAPH_ROUTES:
+            for parameter in parameters:
+                found = _audit_route(make_layer, config, graph_route, parameter,
+                                     num_tokens=num_tokens, seed=seed, device=device, capture=capture)
+                results.append(found)
+                if on_result is not None:
+                    on_result(found)
     return results

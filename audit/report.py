@@ -355,6 +355,7 @@ class Audit:
             self.add("discipline", "host sync / allocations / compile", SKIP, "CUDA only")
             return
         from .discipline import audit_compile, audit_discipline, audit_layer_discipline
+        from .graphs import draw_state
 
         problem = self.main_problem(problems)
         for impl in self.selected_impls():
@@ -365,21 +366,21 @@ class Audit:
             self.add("discipline", impl.name, status, report.summary().split(": ", 1)[1],
                      report.to_dict())
         config = problem.config
+        state = draw_state(config, self.options.seed, self.device)
+        own_layer = lambda impl: impl.layer(config, state, self.device)  # noqa: E731
         for impl in self.selected_impls():
             if "no_host_sync" in impl.capabilities and not self.runnable_here(impl):
                 report = audit_layer_discipline(
-                    lambda impl=impl: MagiMoE(config, impl=impl, device=self.device),
-                    num_tokens=problem.num_tokens, seed=self.options.seed,
-                    label=f"MagiMoE(impl={impl.name})")
+                    lambda impl=impl: own_layer(impl), num_tokens=problem.num_tokens,
+                    seed=self.options.seed, label=f"{impl.name}.layer()", config=config)
                 self.add("discipline", report.label, PASS if report.ok else FAIL,
                          report.summary().split(": ", 1)[1], report.to_dict())
         factories = {"MagiMoE(default dispatch)": lambda: MagiMoE(config, device=self.device)}
         for impl in self.selected_impls():
             if "weight_cache" in impl.capabilities and not self.runnable_here(impl):
-                factories[f"MagiMoE(impl={impl.name})"] = (
-                    lambda impl=impl: MagiMoE(config, impl=impl, device=self.device))
+                factories[f"{impl.name}.layer()"] = lambda impl=impl: own_layer(impl)
         for label, factory in factories.items():
-            report = audit_compile(factory, label=label, seed=self.options.seed)
+            report = audit_compile(factory, label=label, seed=self.options.seed, config=config)
             self.add("compile", label, PASS if report.ok else FAIL, report.detail)
 
     # -- files ---------------------------------------------------------------------------------
