@@ -1,22 +1,36 @@
 """Weight-version swaps: a state machine that interleaves forward passes with every way of
-changing weights listed in SPEC section 5, for layers with a packed-weight cache.
+changing weights listed in SPEC section 5, on any layer an implementation builds.
 
-Each forward is checked against the float64 reference on the weights *as they are now* (same
-routes, error within :mod:`fuzz.tolerance`'s bound), so a cache that serves old weights fails
-at once. The cache protocol (``layer.weight_cache`` with ``pack_count`` and ``invalidate()``,
-``layer.invalidate_weight_cache()``) is also held to its cost promise: a forward packs at most
-once, never when no packed weight changed since the previous forward (router-only changes
-included), and exactly once after an explicit invalidation. Layers without a cache
-(``weight_cache is None``) get the correctness checks only.
+The layer is ``impl.layer(config, state_dict, device)`` (or a factory with that signature),
+built from a released-layout state dict the machine draws; it is driven through its own
+parameters and its own cache, and its *current* weights are read back through
+``layer.state_dict()`` (released names). Each forward is checked against the float64 reference
+on those weights (same routes, error within :mod:`fuzz.tolerance`'s bound), so a cache that
+serves old weights fails at once. Drawn states and changes keep the two router bias tensors
+equal, so whichever one the layer selects with, the reference selects with the same values.
 
-A cache promises to notice some changes by itself (``weight_cache.promises``, a subset of
-:data:`CHANGES`; all of them when absent). After a change it does not promise to notice, the
-machine calls ``invalidate_weight_cache()`` as a user must.
+Single-tensor changes reach a tensor by ``layer.get_parameter(name)`` / ``get_buffer(name)``;
+a change aimed at a name the layer does not have is skipped ("not applicable"). The rest of the
+cache protocol is optional and used where the layer offers it:
+
+- pack counts (``layer.pack_count`` or ``layer.weight_cache.pack_count``): a forward packs at
+  most once, never when no packed weight changed since the previous forward (router-only
+  changes included), and exactly once after an explicit invalidation;
+- invalidation (``layer.invalidate_weight_cache()`` or ``layer.weight_cache.invalidate()``);
+- promises (``layer.weight_cache_promises`` or ``layer.weight_cache.promises``): a mapping from
+  route name (a name of :data:`CHANGES`, or the :mod:`audit.cache` route name it corresponds
+  to, :data:`AUDIT_ROUTES`) to ``"needs invalidate()"``. After such a change to a packed weight
+  the machine invalidates, as a user must; every other change must be noticed by the layer.
+
+Rules: ``change_<route>(name, then_forward)`` for each route of :data:`CHANGES`,
+``invalidate(then_forward)`` and ``forward(tokens, seed)``. One rule per route lets Hypothesis's
+swarm testing (a random subset of rules enabled per run) focus a run on a few routes;
+``then_forward`` (a token count, or None) checks a forward right after the change, so changes
+are checked even in runs where the ``forward`` rule is disabled.
 
 Usage::
 
-    Machine = weight_swap_machine(lambda cfg, device: MagiMoE(cfg, impl="fused", device=device),
-                                  config=preset("tiny"))
+    Machine = weight_swap_machine(get_implementation("fused"), config=preset("tiny"))
     run_state_machine_as_test(Machine, settings=...)       # or: TestFused = Machine.TestCase
 """
 from __future__ import annotations
@@ -24,7 +38,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from hypothesis import currently_in_test_context
@@ -34,21 +48,22 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from torch import nn
 
 from magi_moe.config import MoEConfig
+from magi_moe.implementation import Implementation
 from magi_moe.reference import expert_reference
 from magi_moe.routing import build_route_table, route
 from magi_moe.weights import ExpertWeights
 
 from .tolerance import differential_report
 
-__all__ = ["CHANGES", "EXPERT_PARAMS", "ROUTER_TENSORS", "LayerFactory", "layer_factory_for",
-           "weight_swap_machine"]
+__all__ = ["AUDIT_ROUTES", "CHANGES", "EXPERT_PARAMS", "NEEDS_INVALIDATE", "ROUTER_TENSORS",
+           "LayerFactory", "layer_factory_for", "weight_swap_machine"]
 
 # The change routes of SPEC section 5, by the names the machine's rules use.
 CHANGES = (
     "inplace",          # param.mul_(-1) under no_grad
     "copy",             # param.copy_(new) under no_grad
     "load_state_dict",  # layer.load_state_dict(sd): copies in place
-    "load_assign",      # layer.load_state_dict(sd, assign=True): new Parameter objects
+    "load_assign",      # layer.load_state_dict(sd, assign=True): new tensors
     "data_assign",      # param.data = new: new storage, _version unchanged
     "data_copy",        # param.data.copy_(new): id, data_ptr and _version all unchanged
     "set_storage",      # param.set_(new): another storage under the same Parameter
@@ -58,20 +73,31 @@ CHANGES = (
     "inference_data",   # param.data = a tensor made under torch.inference_mode()
     "inference_load",   # layer.load_state_dict(sd) inside torch.inference_mode()
 )
+# The audit.cache route each change corresponds to (promises may use either name).
+AUDIT_ROUTES = {"inplace": "in_place", "copy": "copy_no_grad", "load_state_dict": "load_state_dict",
+                "load_assign": "load_assign", "data_assign": "param_data_assign",
+                "data_copy": "param_data_copy", "mmap_checkpoint": "new_storage",
+                "dtype_roundtrip": "to_dtype", "device_roundtrip": "to_device"}
+NEEDS_INVALIDATE = "needs invalidate()"
 EXPERT_PARAMS = ("W_gate", "W_up", "W_down")
-ROUTER_TENSORS = ("gate", "router.expert_bias", "router.expert_bias_ema")
+ROUTER_BIASES = ("router.expert_bias", "router.expert_bias_ema")
+ROUTER_TENSORS = ("gate",) + ROUTER_BIASES
 ALL_TENSORS = EXPERT_PARAMS + ROUTER_TENSORS
+_SCALE = {"gate": 0.25, "W_down": 0.1, "W_gate": 0.5, "W_up": 0.5}  # biases: 0.05
 
-LayerFactory = Callable[[MoEConfig, str], nn.Module]
+LayerFactory = Callable[[MoEConfig, Mapping[str, torch.Tensor], str], nn.Module]
 
 
-def layer_factory_for(impl: str) -> LayerFactory:
-    """``MagiMoE(config, impl=impl, device=device)``: the registered implementation's layer."""
-    from magi_moe.layer import MagiMoE
+def layer_factory_for(impl: str | Implementation) -> LayerFactory:
+    """``impl.layer(config, state_dict, device)`` for a registered name, ``package.module:attr``
+    or an Implementation: the implementation's own layer."""
+    from magi_moe.registry import get_implementation
 
-    def make(config: MoEConfig, device: str) -> nn.Module:
-        return MagiMoE(config, impl=impl, device=device)
-    make.__name__ = f"magi_moe_{impl}"
+    impl = get_implementation(impl)
+
+    def make(config: MoEConfig, state_dict: Mapping[str, torch.Tensor], device) -> nn.Module:
+        return impl.layer(config, state_dict, device)
+    make.__name__ = f"layer_of_{impl.name.replace('-', '_')}"
     return make
 
 
@@ -81,106 +107,213 @@ def note(text: str) -> None:
         _hypothesis_note(text)
 
 
-def _tensor(layer: nn.Module, name: str) -> torch.Tensor:
-    obj = layer
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+def _reach(layer: nn.Module, name: str) -> torch.Tensor | None:
+    """The layer's parameter or buffer named ``name``, or None when it has none by that name."""
+    for get in (layer.get_parameter, layer.get_buffer):
+        try:
+            return get(name)
+        except AttributeError:
+            continue
+    return None
 
 
-def weight_swap_machine(layer_factory: LayerFactory, *, config: MoEConfig, device: str = "cpu",
-                        max_tokens: int = 24, packed: tuple[str, ...] = EXPERT_PARAMS
-                        ) -> type[RuleBasedStateMachine]:
-    """A ``RuleBasedStateMachine`` class for layers made by ``layer_factory(config, device)``.
-    ``packed``: the parameters whose change may (and must) trigger a repack."""
-    if not callable(layer_factory):
-        raise TypeError("layer_factory must be callable as layer_factory(config, device)")
+def _group(name: str) -> tuple[str, ...]:
+    """The tensors a change of ``name`` writes: both router biases move together."""
+    return ROUTER_BIASES if name in ROUTER_BIASES else (name,)
+
+
+def _released_shapes(config: MoEConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    HE, Dh, I = config.num_banks, config.head_dim, config.intermediate_size
+    return {"gate": ((HE, Dh), torch.float32), "W_gate": ((HE, Dh, I), config.dtype),
+            "W_up": ((HE, Dh, I), config.dtype), "W_down": ((HE, I, Dh), config.dtype),
+            "router.expert_bias": ((HE,), torch.float32),
+            "router.expert_bias_ema": ((HE,), torch.float32)}
+
+
+def _as_factory(layer) -> LayerFactory:
+    if isinstance(layer, (str, Implementation)):
+        return layer_factory_for(layer)
+    if callable(layer):
+        return layer
+    raise TypeError("layer must be an Implementation, its name, or a callable "
+                    f"make_layer(config, state_dict, device), got {type(layer).__name__}")
+
+
+def _change_rule(how: str, names, then_forwards):
+    """The rule ``change_<how>(name, then_forward)``: its own rule, so swarm testing can
+    enable it alone with ``forward``."""
+    def step(self, name, then_forward):
+        self._change(how, name, then_forward)
+    step.__name__ = step.__qualname__ = f"change_{how}"
+    step.__doc__ = f"Change a tensor by route {how!r} (see CHANGES)."
+    return rule(name=names, then_forward=then_forwards)(step)
+
+
+def weight_swap_machine(layer, *, config: MoEConfig, device: str = "cpu", max_tokens: int = 24,
+                        packed: tuple[str, ...] = EXPERT_PARAMS) -> type[RuleBasedStateMachine]:
+    """A ``RuleBasedStateMachine`` class for the layers of ``layer``: an Implementation, its name,
+    or a factory ``make_layer(config, state_dict, device)``.
+    ``packed``: the weights whose change may (and must) trigger a repack."""
+    make_layer = _as_factory(layer)
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    unknown = set(packed) - set(EXPERT_PARAMS + ROUTER_TENSORS)
+    unknown = set(packed) - set(ALL_TENSORS)
     if unknown or not packed:
-        raise ValueError(f"packed must be a non-empty subset of {EXPERT_PARAMS + ROUTER_TENSORS}, got {packed}")
+        raise ValueError(f"packed must be a non-empty subset of {ALL_TENSORS}, got {packed}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    names = st.sampled_from(EXPERT_PARAMS * 2 + ROUTER_TENSORS)  # packed weights favoured
-    routes = CHANGES + ("invalidate",)
+    names = st.sampled_from(EXPERT_PARAMS * 2 + ROUTER_TENSORS)  # expert weights favoured
+    then_forwards = st.none() | st.integers(1, max_tokens)
+    factory_name = getattr(make_layer, "__name__", type(make_layer).__name__)
 
     class WeightSwapMachine(RuleBasedStateMachine):
         @initialize(seed=st.integers(0, 2**32 - 1))
         def build(self, seed: int) -> None:
-            self.layer = layer_factory(config, device)
             self.gen = torch.Generator().manual_seed(seed)
             self.tmpdir, self.checkpoints = None, 0
-            self.changed: list[str] = []
-            self.invalidated = self.packed_changed = False
+            state = {}
+            for name, (shape, dtype) in _released_shapes(config).items():
+                state[name] = self._draw(name, shape, dtype, device)
+            state["router.expert_bias_ema"] = state["router.expert_bias"].clone()
+            self.layer = make_layer(config, state, device)
+            missing = [n for n in ALL_TENSORS if n not in self.layer.state_dict()]
+            assert not missing, f"layer.state_dict() lacks the released names {missing}"
+            self.changed: list[str] = ["built from a state dict"]
+            self.invalidated, self.packed_changed = False, True
             self.last_packs = self._packs()
-            for name in EXPERT_PARAMS + ROUTER_TENSORS:  # seeded values, not the factory's RNG draw
-                with torch.no_grad():
-                    _tensor(self.layer, name).copy_(self._fresh(name))
-            self._changed("initial values", ALL_TENSORS, "copy")
-            note(f"layer {type(self.layer).__name__} via {getattr(layer_factory, '__name__', layer_factory)}, "
-                 f"{config.describe()}, device {device}")
+            note(f"layer {type(self.layer).__name__} via {factory_name}, {config.describe()}, "
+                 f"device {device}")
 
         def teardown(self) -> None:
             if getattr(self, "tmpdir", None):
                 shutil.rmtree(self.tmpdir, ignore_errors=True)
 
-        # -- bookkeeping -----------------------------------------------------------------------
-        @property
-        def cache(self):
-            return getattr(self.layer, "weight_cache", None)
+        # -- the optional cache protocol --------------------------------------------------------
+        def _cache_part(self, attr: str):
+            """``layer.<attr>`` else ``layer.weight_cache.<attr>``, or None."""
+            for owner in (self.layer, getattr(self.layer, "weight_cache", None)):
+                if owner is not None and hasattr(owner, attr):
+                    return getattr(owner, attr)
+            return None
 
         def _packs(self) -> int | None:
-            cache = getattr(self.layer, "weight_cache", None) if hasattr(self, "layer") else None
-            return None if cache is None else int(cache.pack_count)
+            count = self._cache_part("pack_count") if hasattr(self, "layer") else None
+            return None if count is None else int(count)
 
-        def _promised(self, how: str) -> bool:
-            promises = getattr(self.cache, "promises", None)
-            return promises is None or how in set(promises)
+        def _invalidator(self):
+            fn = getattr(self.layer, "invalidate_weight_cache", None)
+            if not callable(fn):
+                fn = getattr(getattr(self.layer, "weight_cache", None), "invalidate", None)
+            return fn if callable(fn) else None
+
+        def _needs_invalidate(self, how: str) -> bool:
+            promises = getattr(self.layer, "weight_cache_promises", None)
+            if promises is None:
+                promises = getattr(getattr(self.layer, "weight_cache", None), "promises", None)
+            promises = dict(promises or {})
+            return NEEDS_INVALIDATE in (promises.get(how), promises.get(AUDIT_ROUTES.get(how)))
+
+        def _invalidate_now(self, why: str) -> None:
+            fn = self._invalidator()
+            if fn is None:
+                note(f"  {why}, but the layer offers no invalidation")
+                return
+            fn()
+            self.invalidated = True
+            note(f"  {why}: invalidated")
 
         def _changed(self, what: str, names, how: str) -> None:
-            names = (names,) if isinstance(names, str) else tuple(names)
+            names = tuple(names)
             self.changed.append(f"{how}({what})")
             note(f"change: {how} {what}" + (f" (touches {', '.join(names)})" if len(names) > 1 else ""))
-            if self.cache is not None and not self._promised(how) and set(names) & set(packed):
-                self.layer.invalidate_weight_cache()  # the user's obligation for this route
-                self.invalidated = True
-                note(f"  {how} is not promised by the cache: invalidate_weight_cache() called")
-            self.packed_changed = self.packed_changed or bool(set(names) & set(packed))
+            touches_packed = bool(set(names) & set(packed))
+            if touches_packed and self._needs_invalidate(how):
+                self._invalidate_now(f"{how} is promised as {NEEDS_INVALIDATE!r}")
+            self.packed_changed = self.packed_changed or touches_packed
+
+        # -- values -------------------------------------------------------------------------------
+        def _draw(self, name: str, shape, dtype, device) -> torch.Tensor:
+            new = torch.randn(tuple(shape), generator=self.gen) * _SCALE.get(name, 0.05)
+            return new.to(dtype=dtype, device=device)
 
         def _fresh(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-            t = _tensor(self.layer, name)
-            scale = {"gate": 0.25, "W_down": 0.1}.get(name, 0.5 if name in EXPERT_PARAMS else 0.05)
-            new = torch.randn(tuple(t.shape), generator=self.gen) * scale
-            return new.to(dtype=dtype or t.dtype, device=t.device)
+            """New values for ``name`` with the shape, dtype and device it has now."""
+            t = self.layer.state_dict()[name]
+            return self._draw(name, t.shape, dtype or t.dtype, t.device)
 
         def _mutating(self):
-            inference = any(_tensor(self.layer, n).is_inference() for n in EXPERT_PARAMS + ("gate",))
+            inference = any(t.is_inference() for t in self.layer.state_dict(keep_vars=True).values())
             return torch.inference_mode() if inference else torch.no_grad()
 
         def _state_dict_with(self, name: str) -> dict:
             sd = {k: v.detach().clone() for k, v in self.layer.state_dict().items()}
-            sd[name] = self._fresh(name)
+            new = self._fresh(name)
+            for n in _group(name):
+                sd[n] = new.clone()
             return sd
 
-        # -- the change routes (one rule, so forwards stay frequent between changes) -------------
-        @rule(how=st.sampled_from(routes), name=names)
-        def change(self, how, name):
+        def _tensors(self, name: str) -> list[torch.Tensor] | None:
+            """The layer's own tensors a single-tensor change of ``name`` writes, or None (and a
+            note) when the layer has no tensor by one of those names."""
+            found = [_reach(self.layer, n) for n in _group(name)]
+            if any(t is None for t in found):
+                note(f"{name}: not applicable (the layer has no parameter or buffer by that name)")
+                return None
+            return found
+
+        def _write_each(self, name: str, write) -> tuple[str, ...]:
+            """``write(tensor, new)`` on each tensor of ``name``'s group, with one new value."""
+            tensors = self._tensors(name)
+            if tensors is None:
+                return ()
+            new = self._fresh(name)
+            for t in tensors:
+                write(t, new.clone())
+            return _group(name)
+
+        def _write_experts(self, dtype: torch.dtype) -> None:
+            """New expert weights (values of ``dtype``) into the layer as its tensors are now."""
+            current = self.layer.state_dict()
+            sd = {k: v.detach().clone() for k, v in current.items()}
+            for n in EXPERT_PARAMS:
+                sd[n] = self._fresh(n, dtype).to(current[n].dtype)
+            with self._mutating():
+                self.layer.load_state_dict(sd)
+
+        # -- the change routes: one rule each (``change_<route>``, added below the class) ----------
+        def _change(self, how: str, name: str, then_forward: int | None) -> None:
             """Change ``name`` (or, for the round trips, every expert weight) by route ``how``;
-            ``how="invalidate"`` calls ``invalidate_weight_cache()`` instead."""
+            then forward ``then_forward`` tokens and check them, unless None."""
             touched = getattr(self, f"_{how}")(name)
             if touched:
                 self._changed(name, touched, how)
+            self._maybe_forward(then_forward)
+
+        def _maybe_forward(self, then_forward: int | None) -> None:
+            if then_forward is not None:
+                self._check_forward(then_forward, int(torch.randint(2**16, (), generator=self.gen)))
+
+        @rule(then_forward=then_forwards)
+        def invalidate(self, then_forward):
+            """Not a weight change: the explicit invalidation (where the layer offers one)."""
+            if self._invalidator() is not None:
+                self._invalidate_now("invalidate")
+            self._maybe_forward(then_forward)
 
         def _inplace(self, name):
+            tensors = self._tensors(name)
+            if tensors is None:
+                return ()
             with self._mutating():
-                _tensor(self.layer, name).mul_(-1)
-            return name
+                for t in tensors:
+                    t.mul_(-1)
+            return _group(name)
 
         def _copy(self, name):
-            with self._mutating():
-                _tensor(self.layer, name).copy_(self._fresh(name))
-            return name
+            def write(t, new):
+                with self._mutating():
+                    t.copy_(new)
+            return self._write_each(name, write)
 
         def _load_state_dict(self, name):
             self.layer.load_state_dict(self._state_dict_with(name))
@@ -188,20 +321,21 @@ def weight_swap_machine(layer_factory: LayerFactory, *, config: MoEConfig, devic
 
         def _load_assign(self, name):
             self.layer.load_state_dict(self._state_dict_with(name), assign=True)
-            return ALL_TENSORS  # every tensor gets a new storage
+            return ALL_TENSORS  # every tensor may get a new storage
 
         def _data_assign(self, name):
-            _tensor(self.layer, name).data = self._fresh(name)
-            return name
+            def write(t, new):
+                t.data = new
+            return self._write_each(name, write)
 
         def _data_copy(self, name):
-            _tensor(self.layer, name).data.copy_(self._fresh(name))
-            return name
+            return self._write_each(name, lambda t, new: t.data.copy_(new))
 
         def _set_storage(self, name):
-            with self._mutating():
-                _tensor(self.layer, name).set_(self._fresh(name))
-            return name
+            def write(t, new):
+                with self._mutating():
+                    t.set_(new)
+            return self._write_each(name, write)
 
         def _mmap_checkpoint(self, name):
             if self.tmpdir is None:
@@ -215,9 +349,7 @@ def weight_swap_machine(layer_factory: LayerFactory, *, config: MoEConfig, devic
 
         def _dtype_roundtrip(self, name):
             self.layer.to(torch.float32)
-            with self._mutating():
-                for n in EXPERT_PARAMS:
-                    _tensor(self.layer, n).copy_(self._fresh(n, config.dtype).float())
+            self._write_experts(config.dtype)  # values the layer's dtype holds exactly
             self.layer.to(config.dtype)
             return ALL_TENSORS
 
@@ -226,17 +358,16 @@ def weight_swap_machine(layer_factory: LayerFactory, *, config: MoEConfig, devic
                 note("device round trip skipped: needs a CPU layer and a GPU")
                 return ()
             self.layer.to("cuda")
-            with self._mutating():
-                for n in EXPERT_PARAMS:
-                    _tensor(self.layer, n).copy_(self._fresh(n))
+            self._write_experts(config.dtype)
             self.layer.to("cpu")
             return ALL_TENSORS
 
         def _inference_data(self, name):
-            with torch.inference_mode():
-                new = self._fresh(name).clone()
-            _tensor(self.layer, name).data = new
-            return name
+            def write(t, new):
+                with torch.inference_mode():
+                    made = new.clone()
+                t.data = made
+            return self._write_each(name, write)
 
         def _inference_load(self, name):
             sd = self._state_dict_with(name)
@@ -244,26 +375,23 @@ def weight_swap_machine(layer_factory: LayerFactory, *, config: MoEConfig, devic
                 self.layer.load_state_dict(sd)
             return ALL_TENSORS
 
-        def _invalidate(self, name):
-            """Not a weight change: the explicit invalidation call (a no-op without a cache)."""
-            if self.cache is not None:
-                self.layer.invalidate_weight_cache()
-                self.invalidated = True
-                note("invalidate_weight_cache()")
-            return ()
-
         # -- the checks -------------------------------------------------------------------------------
         @rule(tokens=st.integers(1, max_tokens), seed=st.integers(0, 2**16))
         def forward(self, tokens, seed):
-            layer = self.layer
+            self._check_forward(tokens, seed)
+
+        def _check_forward(self, tokens: int, seed: int) -> None:
             gen = torch.Generator().manual_seed(seed)
             x = torch.randn(tokens, config.hidden_size, generator=gen).to(device=device, dtype=config.dtype)
             with torch.no_grad():
-                y = layer(x)
+                y = self.layer(x)
             packs = self._packs()
-            routes = route(x, layer.gate.detach(), layer.selection_bias, config)
+            state = self.layer.state_dict()
+            bias, ema = state["router.expert_bias"].float(), state["router.expert_bias_ema"].float()
+            assert torch.equal(bias, ema), "the layer changed one router bias without the other"
+            routes = route(x, state["gate"].detach().float(), ema, config)
             table = build_route_table(routes, config)
-            current = ExpertWeights(*(_tensor(layer, n).detach().to(config.dtype) for n in EXPERT_PARAMS))
+            current = ExpertWeights(*(state[n].detach().to(config.dtype) for n in EXPERT_PARAMS))
             ref = expert_reference(x, table, current, config, precision="float64")
             base = expert_reference(x, table, current, config, precision="bf16")
             report = differential_report(y, ref, base, y.dtype)
@@ -271,11 +399,11 @@ def weight_swap_machine(layer_factory: LayerFactory, *, config: MoEConfig, devic
             note(f"forward({tokens} tokens): ratio {report.ratio:.3f}, packs {self.last_packs} -> {packs}")
             assert report.ok, (f"forward after [{since}] does not match the reference on the current "
                                f"weights (stale weights?): {report.describe()}")
-            if packs is not None:
+            if packs is not None and self.last_packs is not None:
                 delta = packs - self.last_packs
                 assert 0 <= delta <= 1, f"one forward after [{since}] packed {delta} times"
                 if self.invalidated:
-                    assert delta == 1, f"forward after invalidate_weight_cache() packed {delta} times, not once"
+                    assert delta == 1, f"forward after invalidation packed {delta} times, not once"
                 elif not self.packed_changed:
                     assert delta == 0, (f"repacked although no packed weight changed since the last "
                                         f"forward (changes: [{since}])")
@@ -288,7 +416,8 @@ def weight_swap_machine(layer_factory: LayerFactory, *, config: MoEConfig, devic
             if packs is not None and self.last_packs is not None:
                 assert packs >= self.last_packs, f"pack_count went down: {self.last_packs} -> {packs}"
 
-    WeightSwapMachine.__name__ = f"WeightSwaps_{getattr(layer_factory, '__name__', 'layer')}"
+    for how in CHANGES:
+        setattr(WeightSwapMachine, f"change_{how}", _change_rule(how, names, then_forwards))
+    WeightSwapMachine.__name__ = f"WeightSwaps_{factory_name}"
     WeightSwapMachine.__qualname__ = WeightSwapMachine.__name__
     return WeightSwapMachine
-

@@ -109,6 +109,8 @@ class PackedWeightCache:
         """Pack unless ``w_gate``/``w_up`` already are the bank's halves; after this they are."""
         if self.is_current(w_gate, w_up):
             return
+        if w_gate.is_meta or w_up.is_meta:
+            return  # a skeleton (from_state_dict builds on meta): packed once it holds values
         self._pack(w_gate, w_up)
 
     def invalidate(self) -> None:

@@ -163,13 +163,14 @@ class ToyCachedLayer(MagiMoE):
         self.weight_cache.invalidate()
 
 
-def stale_cache_layer(config: MoEConfig, device="cpu") -> ToyCachedLayer:
-    return ToyCachedLayer(config, key="identity", device=device)
+# Layer factories ``make_layer(config, state_dict, device)``, as the auditor builds layers.
+def stale_cache_layer(config: MoEConfig, state_dict, device=None) -> ToyCachedLayer:
+    return ToyCachedLayer.from_state_dict(state_dict, config, key="identity")
 
 
-def correct_cache_layer(config: MoEConfig, device="cpu") -> ToyCachedLayer:
-    return ToyCachedLayer(config, key="contents", device=device)
+def correct_cache_layer(config: MoEConfig, state_dict, device=None) -> ToyCachedLayer:
+    return ToyCachedLayer.from_state_dict(state_dict, config, key="contents")
 
 
-def repacking_cache_layer(config: MoEConfig, device="cpu") -> ToyCachedLayer:
-    return ToyCachedLayer(config, key="never", device=device)
+def repacking_cache_layer(config: MoEConfig, state_dict, device=None) -> ToyCachedLayer:
+    return ToyCachedLayer.from_state_dict(state_dict, config, key="never")

@@ -241,12 +241,14 @@ class CachedToyLayer(MagiMoE):
             return expert_reference(x, table, self.weight_cache.weights(self), cfg, precision="bf16")
 
 
-def stale_cache_layer(config: MoEConfig, device="cpu") -> CachedToyLayer:
-    return CachedToyLayer(config, VersionKeyedCache(), device=device)
+def stale_cache_layer(config: MoEConfig, state_dict, device=None) -> CachedToyLayer:
+    """A layer factory (``make_layer(config, state_dict, device)``) with the stale cache."""
+    return CachedToyLayer.from_state_dict(state_dict, config, cache=VersionKeyedCache())
 
 
-def snapshot_cache_layer(config: MoEConfig, device="cpu") -> CachedToyLayer:
-    return CachedToyLayer(config, SnapshotCache(), device=device)
+def snapshot_cache_layer(config: MoEConfig, state_dict, device=None) -> CachedToyLayer:
+    """A layer factory with the correct snapshot cache."""
+    return CachedToyLayer.from_state_dict(state_dict, config, cache=SnapshotCache())
 
 
 

@@ -1,8 +1,9 @@
 """Weight-version swaps (fuzz.stateful) against the cache protocol.
 
 The toy snapshot cache (tests/fuzz_broken.py) must pass; implementations that declare a weight
-cache (the fused path) run the same machine through ``MagiMoE(config, impl=...)``. The stale
-toy cache being caught is in tests/test_fuzz_broken.py."""
+cache (the fused path) run the same machine on their own layer, ``impl.layer(config,
+state_dict, device)``. The stale toy cache being caught is in tests/test_fuzz_broken.py; outside
+layers with their own caches are in tests/test_outside_layers.py."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,8 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from magi_moe.fuzz import fuzzers, profiles
 from magi_moe.fuzz.properties import campaign_target
-from magi_moe.fuzz.stateful import CHANGES, EXPERT_PARAMS, layer_factory_for, weight_swap_machine
+from magi_moe.fuzz.stateful import (AUDIT_ROUTES, CHANGES, EXPERT_PARAMS, layer_factory_for,
+                           weight_swap_machine)
 from magi_moe.config import preset
 from magi_moe.tests.fuzz_broken import snapshot_cache_layer
 
@@ -29,14 +31,16 @@ TestSnapshotCacheSwaps.settings = settings(profiles.examples(1.0), stateful_step
 @pytest.mark.needs("weight_cache")
 def test_weight_swaps(impl_backend):
     target = fuzzers.pytest_target(impl_backend, "differential")
-    machine = weight_swap_machine(layer_factory_for(target.spec), config=CONFIG, device=target.device,
+    machine = weight_swap_machine(layer_factory_for(target.impl), config=CONFIG, device=target.device,
                                   packed=PACKED.get(target.impl.name, EXPERT_PARAMS))
     run_state_machine_as_test(machine, settings=settings(profiles.examples(0.5), stateful_step_count=10))
 
 
 def test_machine_rejects_bad_arguments():
-    with pytest.raises(TypeError, match="layer_factory"):
+    with pytest.raises(TypeError, match="make_layer"):
         weight_swap_machine(None, config=CONFIG)
+    with pytest.raises(ValueError, match="implementation must be"):
+        weight_swap_machine("no-such-impl", config=CONFIG)
     with pytest.raises(TypeError, match="config"):
         weight_swap_machine(snapshot_cache_layer, config="tiny")
     with pytest.raises(ValueError, match="packed"):
@@ -45,5 +49,15 @@ def test_machine_rejects_bad_arguments():
 
 def test_every_spec_change_route_is_a_rule():
     machine = weight_swap_machine(snapshot_cache_layer, config=CONFIG)
-    for how in CHANGES + ("invalidate",):
+    rules = {r.function.__name__ for r in machine.setup_state().rules}
+    assert rules == {f"change_{how}" for how in CHANGES} | {"invalidate", "forward"}
+    for how in CHANGES:
         assert callable(getattr(machine, f"_{how}", None)), how
+
+
+def test_layer_factory_builds_the_implementations_own_layer():
+    from magi_moe.audit.cache import ROUTES, draw_state
+    make = layer_factory_for("reference")
+    layer = make(CONFIG, draw_state(CONFIG, 0, "cpu"), "cpu")
+    assert type(layer).__name__ == "MagiMoE" and layer.impl.name == "reference"
+    assert set(AUDIT_ROUTES) <= set(CHANGES) and set(AUDIT_ROUTES.values()) <= set(ROUTES)

@@ -13,7 +13,7 @@ from magi_moe.fuzz.record import PropertyViolation
 
 from magi_moe.tests.outside_broken_kernels import INT32_WRAP, WANDERING_SUM
 
-MODULE = "tests.outside_broken_kernels"
+MODULE = "magi_moe.tests.outside_broken_kernels"
 
 
 def _search(prop: str, impl, attr: str, *, examples: int, budget: float = 1.0) -> None:
