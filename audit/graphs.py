@@ -24,14 +24,10 @@ from typing import Callable, Mapping
 import torch
 
 from magi_moe.config import MoEConfig
-from magi_moe.routing import build_route_table, route
-from magi_moe.weights import ExpertWeights
 
-from .bounds import compute_error_bounds, evaluate_bounds
+from .cache import draw_state, layer_output_ok
 
 GRAPH_SAFE, STALE, REFUSED, RECAPTURE = "graph-safe", "stale", "refused", "recapture"
-FRESHNESS_MODEL = "bf16-plain"  # the loosest model any implementation is held to
-EXPERT_PARAMS = ("W_gate", "W_up", "W_down")
 LayerFactory = Callable[[MoEConfig, Mapping[str, torch.Tensor], object], torch.nn.Module]
 
 
@@ -112,31 +108,9 @@ class GraphResult:
         return dict(self.__dict__, ok=self.ok)
 
 
-def draw_state(config: MoEConfig, seed: int, device) -> dict[str, torch.Tensor]:
-    """A released-layout state dict with fresh random values (both bias slots equal)."""
-    gen = torch.Generator().manual_seed(seed)
-    HE, Dh, I = config.num_banks, config.head_dim, config.intermediate_size
-    randn = lambda *shape, std: torch.randn(*shape, generator=gen) * std  # noqa: E731
-    bias = randn(HE, std=0.05)
-    state = {"gate": randn(HE, Dh, std=0.25),
-             "W_gate": randn(HE, Dh, I, std=0.02).to(config.dtype),
-             "W_up": randn(HE, Dh, I, std=0.02).to(config.dtype),
-             "W_down": randn(HE, I, Dh, std=0.02).to(config.dtype),
-             "router.expert_bias": bias, "router.expert_bias_ema": bias.clone()}
-    return {k: v.to(device) for k, v in state.items()}
-
-
 def fresh(config: MoEConfig, layer, x: torch.Tensor, y: torch.Tensor) -> tuple[bool, str]:
-    """Is ``y`` the layer's output for ``x`` on its *current* weights (routing recomputed) within
-    the worst-case bound?"""
-    with torch.no_grad():
-        sd = {k: v.detach().clone() for k, v in layer.state_dict().items()}
-        table = build_route_table(route(x, sd["gate"].float(), sd["router.expert_bias_ema"].float(), config),
-                                  config)
-        weights = ExpertWeights(*(sd[n].to(x.dtype) for n in EXPERT_PARAMS))
-        bounds = compute_error_bounds(x, table, weights, config, [FRESHNESS_MODEL])[FRESHNESS_MODEL]
-        report = evaluate_bounds(y.detach().clone(), bounds)
-    return report.proven_ok, f"max error / worst-case bound {report.worst_max_ratio:.3g}"
+    """Is ``y`` the layer's output for ``x`` on its *current* weights (``state_dict()``)?"""
+    return layer_output_ok(layer, x, y, config=config)
 
 
 def _capture(layer, x: torch.Tensor):

@@ -374,7 +374,7 @@ class Audit:
             self.add("discipline", "host sync / allocations / compile", SKIP, "CUDA only")
             return
         from .discipline import audit_compile, audit_discipline, audit_layer_discipline
-        from .graphs import draw_state
+        from .cache import draw_state
 
         problem = self.main_problem(problems)
         for impl in self.selected_impls():

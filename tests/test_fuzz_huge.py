@@ -74,7 +74,8 @@ def test_layer_past_int32_offsets(impl_backend):
     kernels, the top-k sum's writes of y) on a real 700,100-token input at H=12 (row stride 3072:
     token 699,051 is the first past 2^31): rows around and past the boundary match the float64
     reference of the same tokens. GPU only: the input and output are 4.3 GB each."""
-    from magi_moe.audit.graphs import draw_state, fresh
+    from magi_moe.audit.cache import draw_state
+    from magi_moe.audit.graphs import fresh
 
     if impl_backend is None or impl_backend.backend.name != "cuda":
         pytest.skip("needs real memory for a 4.3 GB input: the cuda backend")
