@@ -1,9 +1,11 @@
 """The packed-weight cache (SPEC section 5) and what ``magi_moe.packed_weights`` promises:
 
-* the parameters become the two halves of one bank (no second copy of gate/up);
+* the parameters become the bank's two dense buffers (no second copy of gate/up), which
+  safetensors can save as they are;
 * no repack while nothing changed (``pack_count`` stays);
 * in-place change routes write the bank itself: no repack is needed and none happens;
-* swap routes (``.data =``, ``assign=True``, ``set_``, ``.to``) are detected and repacked;
+* swap routes (``.data =``, ``assign=True``, ``set_``, ``.to``) are detected and repacked, into
+  the same bank while shapes, dtype and device stay;
 * ``invalidate()`` forces a repack;
 * with the kernels (interpreter or CUDA), the layer's output follows every route.
 """
@@ -35,7 +37,7 @@ def fresh_like(p: torch.Tensor, seed: int) -> torch.Tensor:
     return (torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype)
 
 
-def test_pack_makes_the_parameters_halves_of_one_bank():
+def test_pack_makes_the_parameters_the_banks_buffers():
     wg, wu = params()
     values = wg.detach().clone(), wu.detach().clone()
     cache = PackedWeightCache()
@@ -128,8 +130,8 @@ def test_swaps_are_detected_and_repacked(swap):
     wg, wu = params()
     cache = PackedWeightCache()
     cache.ensure(wg, wu)
-    alias = wg.detach()  # a view of the old bank
-    old = alias.clone()
+    bank_ptrs = [t.data_ptr() for t in cache.bank]
+    alias = wg.detach()  # an alias of the bank
     new_g, new_u = swap(wg, wu)
     assert not cache.is_current(wg, wu)
     cache.ensure(wg, wu)
@@ -138,7 +140,11 @@ def test_swaps_are_detected_and_repacked(swap):
         assert torch.equal(wg, new_g)
     if new_u is not None:
         assert torch.equal(wu, new_u)
-    assert torch.equal(alias, old), "aliases of the old bank keep the old values"
+    # refilled in place: a CUDA graph captured before the swap reads the new values
+    assert [t.data_ptr() for t in cache.bank] == bank_ptrs and torch.equal(alias, wg.detach())
+    for new in (new_g, new_u):
+        if new is not None:
+            assert new.untyped_storage().data_ptr() not in bank_ptrs, "the swapped-in tensor is not aliased"
     with torch.no_grad():
         wu.add_(1.0)  # still an ordinary, writable parameter (also after an inference tensor)
 
@@ -171,7 +177,7 @@ def test_invalidate_forces_a_fresh_bank():
     cache.invalidate()
     assert cache.bank is None and not cache.is_current(wg, wu)
     cache.ensure(wg, wu)
-    assert cache.pack_count == 2 and cache.bank.data_ptr() != first.data_ptr()
+    assert cache.pack_count == 2 and cache.bank.gate.data_ptr() != first.gate.data_ptr()
     assert torch.equal(wg, values)
 
 
