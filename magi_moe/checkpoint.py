@@ -20,7 +20,8 @@ def check_state_dict(expected: Mapping[str, torch.Tensor], state_dict: Mapping[s
     (the layer's own ``state_dict()``; its device and dtype are the targets).
 
     * keys: with ``strict``, exactly the expected names (missing and unexpected listed);
-    * every given value: a floating-point tensor of the expected shape;
+    * every given value: a floating-point tensor of the expected shape, holding values (not on
+      the meta device) unless ``assign``;
     * ``assign=True`` adopts the given tensors as they are: each must have the expected dtype,
       and the layer's tensors must end up on one device;
     * router rows (gate and selection biases): finite (one host sync per tensor).
@@ -38,6 +39,9 @@ def check_state_dict(expected: Mapping[str, torch.Tensor], state_dict: Mapping[s
         if not value.is_floating_point():
             raise ValueError(f"state_dict[{name!r}] must be a floating-point tensor, got "
                              f"{_name(value.dtype)}")
+        if not assign and value.device.type == "meta":
+            raise ValueError(f"state_dict[{name!r}] is on the meta device (it holds no values to "
+                             f"copy); load real tensors, or use assign=True")
         if assign and value.dtype != expected[name].dtype:
             raise ValueError(f"state_dict[{name!r}] must have dtype {_name(expected[name].dtype)} "
                              f"with assign=True (the layer adopts the tensor as it is), got "

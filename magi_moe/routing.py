@@ -59,7 +59,7 @@ class RouteTable:
     # the fused router) made the table, whose values are valid by construction: paths that
     # promise no host sync skip the value check for it. Not an init field, so hand-built tables
     # and ``dataclasses.replace`` copies start untrusted and get checked.
-    _trusted_versions: tuple[int, ...] | None = field(default=None, init=False, compare=False,
+    _trusted_versions: tuple[tuple[int, int], ...] | None = field(default=None, init=False, compare=False,
                                                       repr=False)
 
     def mark_trusted(self) -> "RouteTable":
@@ -76,9 +76,11 @@ class RouteTable:
         versions = self._trusted_versions
         return versions is not None and self._versions() == versions
 
-    def _versions(self) -> tuple[int, ...] | None:
+    def _versions(self) -> tuple[tuple[int, int], ...] | None:
+        """(identity, version counter) of each tensor: a tensor swapped in behind the frozen
+        dataclass's back changes the first, an in-place write the second."""
         try:
-            return tuple(getattr(self, name)._version for name in TABLE_FIELDS)
+            return tuple((id(t), t._version) for t in (getattr(self, n) for n in TABLE_FIELDS))
         except (AttributeError, RuntimeError):  # not a tensor, or an inference tensor
             return None
 
@@ -265,13 +267,18 @@ def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: in
     offsets, tokens, slots = table.offsets, table.gather_ids.long(), table.route_slots
     stats = [offsets[0], offsets[-1], (offsets[1:] < offsets[:-1]).sum()]
     if R:
-        ranked = torch.sort(slots).values
+        n_slots = max(S * H * K, 1)
+        # routes per slot, slots clamped so that out-of-range ones (refused below) stay in
+        # bounds; a scatter, not a sort: linear, and no sync on CUDA
+        per_slot = torch.zeros(n_slots, dtype=torch.int32, device=slots.device)
+        per_slot.index_add_(0, slots.clamp(0, n_slots - 1),
+                            torch.ones(R, dtype=torch.int32, device=slots.device))
         # the bank of route r if the offsets are valid (checked first): searchsorted only
         # compares, so garbage offsets give garbage banks, never a wild read
         route_ids = torch.arange(R, device=offsets.device)
         bank = torch.searchsorted(offsets, route_ids, right=True) - 1
         stats += [tokens.min(), tokens.max(), slots.min(), slots.max(),
-                  (ranked[1:] == ranked[:-1]).sum(),
+                  R - (per_slot > 0).sum(),
                   (torch.div(slots, K, rounding_mode="floor") % H
                    != torch.div(bank, E, rounding_mode="floor")).sum(),
                   (torch.div(slots, H * K, rounding_mode="floor") != tokens).sum(),

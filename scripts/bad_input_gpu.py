@@ -9,8 +9,8 @@ stale fused-router table, route slots naming another head, a half-failed checkpo
 every implementation, each of which must raise ValueError; then valid calls of every
 implementation and of the layer, checked against the reference, so the CUDA context is shown
 healthy afterwards. Exit status 0 only if every case was refused and every valid call was right.
-``--control`` runs one bad table with the checks bypassed (``check_bounds=False``): the sanitizer
-must report it, which shows the sanitizer run can see a wild read at all.
+``--control`` runs one bad table through the bare native launcher (no checks): the sanitizer must
+report its wild read and write, which shows the sanitizer run can see one at all.
 
 ``cost``: the fused layer path at S=4096 (CUDA events per call, median after warm-up) with the
 input checks and with them patched out, the checks' host time per call, the trusted vs validated
@@ -82,9 +82,10 @@ def sanitize(control: bool, device: torch.device) -> int:
     if control:
         p = random_problem(cfg, 64, seed=0, device=device)
         p.table.gather_ids[0] = 10**8
-        from magi_moe.kernels.fused import fused_forward
+        from magi_moe.kernels.native import launch_native  # the bare launcher: no checks
         print("control: a wild gather index with the checks bypassed (the sanitizer must report it)")
-        fused_forward(p.x, p.table, p.weights, cfg, check_bounds=False)
+        acc = torch.zeros(p.x.shape, dtype=torch.float32, device=device)
+        launch_native(p.x, p.table, p.weights, cfg, acc, deterministic=False)
         if device.type == "cuda":
             torch.cuda.synchronize()
         print("control: returned (a sanitizer that reports nothing here sees nothing)")

@@ -32,6 +32,9 @@ from typing import Callable
 import pytest
 import torch
 
+# the complex-dtype cast row: torch warns before the layer refuses the cast
+pytestmark = pytest.mark.filterwarnings("ignore:Complex modules:UserWarning")
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the child process runs this file as a script
     sys.path.insert(0, str(ROOT))
@@ -147,6 +150,13 @@ def _edit_trusted_offsets(call: ExpertCall) -> ExpertCall:
     return call
 
 
+def _swap_behind_the_dataclass(call: ExpertCall) -> ExpertCall:
+    """A fresh tensor (version 0, like the builder's) set on the frozen table directly."""
+    object.__setattr__(call.table, "gather_ids", torch.full_like(call.table.gather_ids, 10**8))
+    assert not call.table.trusted
+    return call
+
+
 def _stale_fused_route_table(call: ExpertCall) -> ExpertCall:
     """The fused router's table is a view of its workspace: a later call with more tokens
     rewrites the offsets under it (and reallocates the token buffer)."""
@@ -189,6 +199,8 @@ EXPERT_ROWS = [
     ExpertRow("trusted-then-offsets-edited-through-a-view", _edit_trusted_offsets, ValueError,
               r"table\.offsets must (start at 0 and end|be non-decreasing)", child=True),
     ExpertRow("trusted-then-edited-in-inference-mode", _edit_trusted_in_inference_mode, ValueError,
+              r"table\.gather_ids must lie in \[0, 12\)", child=True),
+    ExpertRow("trusted-then-tensor-swapped", _swap_behind_the_dataclass, ValueError,
               r"table\.gather_ids must lie in \[0, 12\)", child=True),
     ExpertRow("trusted-then-probs-edited", _edit_trusted("sorted_probs", float("inf")), ValueError,
               r"table\.sorted_probs must be finite"),
@@ -424,6 +436,9 @@ LAYER_ROWS = [
     LayerRow("load-assign-two-devices", lambda m: m.load_state_dict(
         _checkpoint(m, W_down=lambda t: t.to("meta")), assign=True), ValueError,
         r"state_dict: with assign=True every tensor of the layer must end up on one device"),
+    LayerRow("load-meta-values", lambda m: m.load_state_dict(
+        _checkpoint(m, W_up=lambda t: t.to("meta"))), ValueError,
+        r"state_dict\['W_up'\] is on the meta device"),
     LayerRow("load-integer-tensor", lambda m: m.load_state_dict(
         _checkpoint(m, W_down=lambda t: t.to(torch.int32))), ValueError,
         r"state_dict\['W_down'\] must be a floating-point tensor"),
