@@ -68,7 +68,7 @@ class MoEConfig:
                              f"got {scale!r}")
         if not isinstance(self.dtype, torch.dtype) or self.dtype not in PARAM_DTYPES:
             raise ValueError(f"MoEConfig.dtype must be one of {PARAM_DTYPES}, got {self.dtype!r}")
-        # the packed gate/up bank [H*E, Dh, 2I] is the largest tensor the layer owns
+        # gate and up together (the packed bank) bound every tensor the layer owns
         bank_bytes = (self.num_heads * self.num_experts * self.head_dim * 2
                       * self.intermediate_size * self.dtype.itemsize)
         if bank_bytes > MAX_TENSOR_BYTES:

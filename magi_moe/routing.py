@@ -267,18 +267,13 @@ def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: in
     offsets, tokens, slots = table.offsets, table.gather_ids.long(), table.route_slots
     stats = [offsets[0], offsets[-1], (offsets[1:] < offsets[:-1]).sum()]
     if R:
-        n_slots = max(S * H * K, 1)
-        # routes per slot, slots clamped so that out-of-range ones (refused below) stay in
-        # bounds; a scatter, not a sort: linear, and no sync on CUDA
-        per_slot = torch.zeros(n_slots, dtype=torch.int32, device=slots.device)
-        per_slot.index_add_(0, slots.clamp(0, n_slots - 1),
-                            torch.ones(R, dtype=torch.int32, device=slots.device))
+        repeated = _repeated_slots(slots, S * H * K)
         # the bank of route r if the offsets are valid (checked first): searchsorted only
         # compares, so garbage offsets give garbage banks, never a wild read
         route_ids = torch.arange(R, device=offsets.device)
         bank = torch.searchsorted(offsets, route_ids, right=True) - 1
         stats += [tokens.min(), tokens.max(), slots.min(), slots.max(),
-                  R - (per_slot > 0).sum(),
+                  repeated,
                   (torch.div(slots, K, rounding_mode="floor") % H
                    != torch.div(bank, E, rounding_mode="floor")).sum(),
                   (torch.div(slots, H * K, rounding_mode="floor") != tokens).sum(),
@@ -310,3 +305,17 @@ def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: in
                          f"{wrong_token} route(s)")
     if non_finite:
         raise ValueError(f"table.sorted_probs must be finite, found {non_finite} non-finite weight(s)")
+
+
+def _repeated_slots(slots: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """How many routes reuse a slot another route has, on the device. A count per slot (slots
+    clamped, so out-of-range ones, refused separately, stay in bounds) when the slots are dense
+    enough; a sort when the table is sparse in a huge token range (O(R) memory either way)."""
+    R = slots.numel()
+    if n_slots <= 8 * R:
+        per_slot = torch.zeros(max(n_slots, 1), dtype=torch.int32, device=slots.device)
+        per_slot.index_add_(0, slots.clamp(0, max(n_slots, 1) - 1),
+                            torch.ones(R, dtype=torch.int32, device=slots.device))
+        return R - (per_slot > 0).sum()
+    ranked = torch.sort(slots).values
+    return (ranked[1:] == ranked[:-1]).sum()

@@ -37,8 +37,8 @@ Offsets: every ``index * stride`` product is formed in int64 (token, route, padd
 so inputs past ``token * row_stride = 2^31`` are addressed correctly.
 
 The kernels read ``w_gate``/``w_up`` through their strides (unit stride in the last dim): the
-packed bank of :mod:`magi_moe.packed_weights` (``[H*E, Dh, 2I]``, gate in columns ``[0, I)``,
-up in ``[I, 2I)``) and plain contiguous tensors both work without a copy.
+packed bank of :mod:`magi_moe.packed_weights` (two dense ``[H*E, Dh, I]`` buffers), views with
+a larger row stride and plain contiguous tensors all work without a copy.
 
 Interpreter (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (SPEC 8), so
 ``UPCAST`` converts operands to fp32 before each dot (bf16 x bf16 products are exact in fp32)
