@@ -13,6 +13,11 @@ PARAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 # Head width and intermediate width must be multiples of this: the Triton kernels tile them.
 WIDTH_MULTIPLE = 16
+# route_scale reaches the kernels as an fp32 scalar: it must be a normal fp32 number, or it
+# becomes inf (every output NaN) or rounds to 0 / loses precision as a subnormal.
+FP32_NORMAL = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+# Every tensor's byte size must fit a signed 64-bit offset (the kernels' addressing and torch's).
+MAX_TENSOR_BYTES = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -54,12 +59,23 @@ class MoEConfig:
         if not isinstance(self.route_norm, bool):
             raise ValueError(f"MoEConfig.route_norm must be a bool, got {self.route_norm!r}")
         scale = self.route_scale
+        lo, hi = FP32_NORMAL
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-            0.0 < float(scale) < float("inf")
+            lo <= float(scale) <= hi
         ):
-            raise ValueError(f"MoEConfig.route_scale must be a finite float > 0, got {scale!r}")
-        if self.dtype not in PARAM_DTYPES:
+            raise ValueError(f"MoEConfig.route_scale must be a finite float > 0 in fp32's normal "
+                             f"range [{lo:.3g}, {hi:.3g}] (the kernels apply it in fp32), "
+                             f"got {scale!r}")
+        if not isinstance(self.dtype, torch.dtype) or self.dtype not in PARAM_DTYPES:
             raise ValueError(f"MoEConfig.dtype must be one of {PARAM_DTYPES}, got {self.dtype!r}")
+        # gate and up together (the packed bank) bound every tensor the layer owns
+        bank_bytes = (self.num_heads * self.num_experts * self.head_dim * 2
+                      * self.intermediate_size * self.dtype.itemsize)
+        if bank_bytes > MAX_TENSOR_BYTES:
+            raise ValueError(
+                f"MoEConfig sizes overflow 64-bit offsets: num_heads*num_experts*head_dim*"
+                f"2*intermediate_size*itemsize = {bank_bytes} bytes (the packed gate/up bank) "
+                f"must stay below 2^63")
 
     @property
     def hidden_size(self) -> int:

@@ -6,6 +6,7 @@ import torch
 
 from .implementation import Implementation, RowLauncher
 from .reference import expert_reference
+from .validation import check_out
 
 ALL_BACKENDS = ("cpu", "interpret", "cuda")
 TRITON_BACKENDS = ("interpret", "cuda")
@@ -13,10 +14,12 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _reference(x, table, weights, config, *, out):
+    check_out(out, x, torch.float64)
     return out.copy_(expert_reference(x, table, weights, config, precision="float64"))
 
 
 def _torch_bf16(x, table, weights, config, *, out):
+    check_out(out, x)
     return out.copy_(expert_reference(x, table, weights, config, precision="bf16"))
 
 

@@ -6,13 +6,15 @@ from typing import Literal, Mapping
 import torch
 from torch import nn
 
-from .config import MoEConfig
+from .backends import interpreter_enabled, triton_installed
+from .checkpoint import check_state_dict
+from .config import PARAM_DTYPES, MoEConfig
 from .dispatch import choose_implementation
 from .packed_weights import PackedWeightCache
 from .implementation import Implementation
 from .registry import get_implementation
 from .routing import build_route_table, route
-from .validation import check_finite, check_tensor
+from .validation import check_bool, check_device, check_tensor
 from .weights import ExpertWeights
 
 BiasSource = Literal["expert_bias_ema", "expert_bias", "none"]
@@ -85,12 +87,18 @@ class MagiMoE(nn.Module):
                  deterministic: bool = False, impl: str | Implementation | None = None,
                  device=None):
         super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a magi_moe.config.MoEConfig (MoEConfig(...) or "
+                            f"preset(name)), got {type(config).__name__}")
         if bias_source not in BIAS_SOURCES:
             raise ValueError(f"bias_source must be one of {BIAS_SOURCES}, got {bias_source!r}")
+        check_bool("deterministic", deterministic)
+        device = check_device("device", device)
         self.config = config
         self.bias_source = bias_source
         self.deterministic = deterministic
-        self.impl = None if impl is None else get_implementation(impl)
+        self.impl = get_implementation(impl) if isinstance(impl, str) else impl
+        _check_forced_impl(self.impl, deterministic)
         HE, Dh, I = config.num_banks, config.head_dim, config.intermediate_size
         empty = lambda *shape, dtype: nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))  # noqa: E731
         self.gate = empty(HE, Dh, dtype=torch.float32)
@@ -109,12 +117,20 @@ class MagiMoE(nn.Module):
     # stacks load a model; the router must come through them in fp32 and unrounded (SPEC
     # section 3), or selection scores lose precision and the fused router rejects the gate (the
     # GPU fuzz campaign's weight-swap machine found that). Device moves apply as usual.
+    # The expert weights take the cast, and the config follows them: after ``layer.half()`` the
+    # layer runs in fp16 (``config.dtype`` is float16), after ``layer.float()`` in fp32 (the
+    # dispatcher then picks native or the reference). A cast to a dtype the layer cannot run in
+    # (not a MoEConfig dtype) raises before any tensor changes. A forced implementation without
+    # the new dtype refuses the forward with its input check, not the cast: weight round trips
+    # through fp32 (load in fp32, cast back) stay possible.
     _FP32_TENSORS = ("gate", "router.expert_bias", "router.expert_bias_ema")
 
     def _apply(self, fn, recurse=True):
+        config = self._config_after(fn)
         # detached aliases: the fp32 storage survives even where conversion swaps tensors
         before = {name: self._fp32_tensor(name).detach() for name in self._FP32_TENSORS}
         super()._apply(fn, recurse)
+        self.config = config
         for name, old in before.items():
             new = self._fp32_tensor(name)
             if new.dtype != torch.float32:  # restore the exact fp32 values on the new device
@@ -125,6 +141,17 @@ class MagiMoE(nn.Module):
                     owner, _, attr = name.rpartition(".")
                     self.get_submodule(owner)._buffers[attr] = restored
         return self
+
+    def _config_after(self, fn) -> MoEConfig:
+        """The config after applying ``fn`` to the weights, found on an empty probe tensor."""
+        weights = self.W_down
+        dtype = fn(torch.empty(0, dtype=weights.dtype, device=weights.device)).dtype
+        if dtype == self.config.dtype:
+            return self.config
+        if dtype not in PARAM_DTYPES:
+            raise ValueError(f"cannot cast the layer to {dtype}: its weights must have one of "
+                             f"the dtypes {PARAM_DTYPES} (MoEConfig.dtype)")
+        return self.config.replace(dtype=dtype)
 
     def _fp32_tensor(self, name: str) -> torch.Tensor:
         owner, _, attr = name.rpartition(".")
@@ -151,19 +178,20 @@ class MagiMoE(nn.Module):
 
         Missing or unexpected keys, wrong shapes and non-finite router weights raise ValueError."""
         layer = cls(config, device="meta", **kwargs)
-        expected = set(layer.state_dict())
-        missing, unexpected = expected - set(state_dict), set(state_dict) - expected
-        if missing or unexpected:
-            raise ValueError(f"state_dict keys do not match the released layout: "
-                             f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-        for name, ref in layer.state_dict().items():
-            check_tensor(f"state_dict[{name!r}]", state_dict[name], shape=tuple(ref.shape))
-        for name in ("gate", "router.expert_bias", "router.expert_bias_ema"):
-            check_finite(f"state_dict[{name!r}]", state_dict[name])
+        check_state_dict(layer.state_dict(), state_dict)
         device = state_dict["W_gate"].device
         layer = layer.to_empty(device=device)
         layer.load_state_dict(state_dict)
         return layer
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True,
+                        assign: bool = False):
+        """``nn.Module.load_state_dict``, all or nothing: every key, shape and dtype (exact with
+        ``assign=True``) and the router rows' finiteness are checked before any tensor changes
+        (:func:`magi_moe.checkpoint.check_state_dict`). A parent module's load goes through
+        torch's own per-module loader instead and gets none of this."""
+        check_state_dict(self.state_dict(), state_dict, strict=strict, assign=assign)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- forward -------------------------------------------------------------------------------
     @property
@@ -181,7 +209,11 @@ class MagiMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         check_tensor("x", x, shape=(None, cfg.hidden_size), dtype=cfg.dtype, device=self.W_gate.device)
+        if x.numel() and x.stride(-1) != 1:
+            x = x.contiguous()  # the kernels read rows through a row stride, columns densely
         impl = self.implementation(x)
+        if self.impl is not None:
+            _check_runs_here(impl, x)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             self._pin_for_graph()
         if impl.layer_forward is not None and self.weight_cache is not None:
@@ -213,3 +245,32 @@ class MagiMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.config.describe()}, bias_source={self.bias_source}, deterministic={self.deterministic}"
+
+
+def _check_forced_impl(impl: object, deterministic: bool) -> None:
+    """A forced implementation must be one, and must keep the layer's promises: the
+    deterministic one (as expert parallelism refuses it too)."""
+    if impl is None:
+        return
+    if not isinstance(impl, Implementation):
+        raise TypeError(f"impl must be None, an implementation name or a "
+                        f"magi_moe.registry.Implementation, got {type(impl).__name__} {impl!r}")
+    if deterministic and not impl.deterministic:
+        raise ValueError(f"impl: deterministic=True but {impl.name!r} does not declare "
+                         f"'deterministic'")
+
+
+def _check_runs_here(impl: Implementation, x: torch.Tensor) -> None:
+    """A forced implementation must run on ``x``'s device: refused here, before the weight cache
+    or a kernel is touched, naming the implementation (a plain CPU process has no Triton
+    driver). Dispatch never picks one that cannot."""
+    device = x.device
+    runs = ((device.type == "cuda" and "cuda" in impl.backends)
+            or (device.type == "cpu" and ("cpu" in impl.backends or (
+                "interpret" in impl.backends and interpreter_enabled() and triton_installed()))))
+    if not runs:
+        hint = (" (its Triton kernels run on a CPU only under TRITON_INTERPRET=1, set before "
+                "importing magi_moe; impl='reference' runs anywhere)"
+                if device.type == "cpu" and "interpret" in impl.backends else "")
+        raise ValueError(f"impl: {impl.name!r} runs on the backends {impl.backends}, not on "
+                         f"device {device}{hint}")

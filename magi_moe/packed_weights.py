@@ -1,29 +1,34 @@
 """The packed gate/up bank and the layer's weight cache (SPEC section 5).
 
-Layout: one bank ``[H*E, Dh, 2I]`` per layer, gate in columns ``[0, I)`` and up in ``[I, 2I)``,
-so both halves are ``[H*E, Dh, I]`` views with row stride ``2I`` (a layout equivalent to the
-``[H*E, 2I, Dh]`` bank of SPEC section 4, transposed per expert): the fused kernel reads them
-through their strides.
+Layout: the bank is two dense ``[H*E, Dh, I]`` buffers, gate and up, each its own allocation
+(SPEC section 4 describes one ``[H*E, 2I, Dh]`` allocation; the fused kernel reads gate and up
+through separate pointers and descriptors, so one allocation bought nothing, while views of one
+allocation broke checkpoint writers: safetensors refuses tensors that share or only partly
+cover a storage). With two dense buffers the layer's ``state_dict()`` saves with safetensors as
+it is (no copy), and the native kernel reads the parameters without a per-call copy.
 
 The cache *adopts* the layer's weights instead of copying them: packing copies ``W_gate`` and
-``W_up`` into the bank once and then points the two parameters at its halves
-(``param.data = view``). There is one copy of gate/up in memory, and the parameters and the bank
-are the same memory, which decides what the cache can promise:
+``W_up`` into the bank once and then points the two parameters at its buffers
+(``param.data = buffer``). There is one copy of gate/up in memory, and the parameters and the
+bank are the same memory, which decides what the cache can promise:
 
 * **In-place changes need no repack and cannot leave the bank stale**: ``copy_``/``mul_``/...
   under ``no_grad``, ``load_state_dict`` (which copies in place), ``param.data.copy_(new)``
   (which bypasses the version counter) and writes from inside ``torch.inference_mode`` all write
   the bank itself. The cache reads no ``_version``, so tensors without one are no problem.
 * **Swaps are detected and repacked** (``pack_count`` grows by one): ``param.data = new``,
-  a new storage (an mmap-backed checkpoint), ``set_``, ``module.to(device/dtype)``/``.cuda()``/
-  ``.half()``: each leaves a parameter whose pointer, strides, dtype or device no longer match
-  the bank's half, which :meth:`PackedWeightCache.ensure` checks on every call (a few attribute
-  reads, no device work, no synchronisation). When shape, dtype and device still match, the new
-  values are copied into the *existing* bank and the parameters point at it again, so a CUDA
-  graph captured earlier reads current weights after one eager forward; otherwise a fresh bank
-  is made. (``MagiMoE.load_state_dict(..., assign=True)`` with fitting tensors copies in place
-  and is no swap at all.)
-* **No repack without a change**: a call that finds both halves in place does nothing.
+  ``load_state_dict(..., assign=True)``, a new storage (an mmap-backed checkpoint), ``set_``,
+  ``module.to(device/dtype)``/``.cuda()``/``.half()``: each leaves a parameter whose pointer,
+  strides, dtype or device no longer match the bank's buffer, which
+  :meth:`PackedWeightCache.ensure` checks on every call (a few attribute reads, no device work,
+  no synchronisation). The new values are copied into the bank and the parameters point at it
+  again; the swapped-in tensor is not aliased afterwards.
+* **The bank keeps its storage** while shapes, dtype and device stay: a swap refills it in
+  place, so a CUDA graph captured before the swap reads the new values once a forward has
+  repacked (and never a freed buffer). Tensors that aliased the bank (a ``state_dict()`` taken
+  before) see the new values, as after ``load_state_dict``. A new shape, dtype or device
+  (``.half()``, ``.to("cuda")``) needs a new bank.
+* **No repack without a change**: a call that finds both buffers in place does nothing.
 * **Explicit invalidation** (:meth:`PackedWeightCache.invalidate`, or
   ``MagiMoE.invalidate_weight_cache()``): the next call repacks into a fresh bank whatever the
   parameters hold. No change route known to us needs it; it is there for storage surgery the
@@ -38,44 +43,94 @@ keeps the old storage. ``MagiMoE(..., impl="fused")`` therefore packs at constru
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .validation import check_tensor
 from .weights import ExpertWeights
 
 
-def gate_up_views(bank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate and up halves of a bank ``[H*E, Dh, 2I]``: two ``[H*E, Dh, I]`` views."""
-    inter = bank.shape[-1] // 2
-    return bank[..., :inter], bank[..., inter:]
+class GateUpBank(NamedTuple):
+    """The packed gate and up weights: two dense ``[H*E, Dh, I]`` tensors, each owning its
+    whole allocation."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.gate.shape
 
 
-def new_bank(w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """A bank holding ``w_gate`` and ``w_up`` ``[H*E, Dh, I]`` (a copy; one allocation)."""
+def gate_up_views(bank: GateUpBank) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up buffers of a bank."""
+    return bank.gate, bank.up
+
+
+def check_pair(w_gate: torch.Tensor, w_up: torch.Tensor) -> None:
     check_tensor("w_gate", w_gate, shape=(None, None, None))
     check_tensor("w_up", w_up, shape=tuple(w_gate.shape), dtype=w_gate.dtype,
                  device=w_gate.device)
-    HE, Dh, I = w_gate.shape
+
+
+def new_bank(w_gate: torch.Tensor, w_up: torch.Tensor) -> GateUpBank:
+    """A bank holding copies of ``w_gate`` and ``w_up`` ``[H*E, Dh, I]``."""
+    check_pair(w_gate, w_up)
     with torch.inference_mode(False), torch.no_grad():
-        bank = torch.empty(HE, Dh, 2 * I, dtype=w_gate.dtype, device=w_gate.device)
-        gate, up = gate_up_views(bank)
-        gate.copy_(w_gate)
-        up.copy_(w_up)
+        empty = lambda: torch.empty(w_gate.shape, dtype=w_gate.dtype, device=w_gate.device)  # noqa: E731
+        bank = GateUpBank(empty(), empty())
+        fill_bank(bank, w_gate, w_up)
     return bank
 
 
+def fill_bank(bank: GateUpBank, w_gate: torch.Tensor, w_up: torch.Tensor) -> None:
+    """Copy ``w_gate``/``w_up`` into ``bank`` in place. A source that already is its buffer is
+    left alone; one that overlaps the bank otherwise is read from a copy."""
+    with torch.inference_mode(False), torch.no_grad():
+        sources = [w_gate, w_up]
+        for i, src in enumerate(sources):
+            if any(_shares_storage(src, buf) for buf in bank) and not _is(src, bank[i]):
+                sources[i] = src.clone()
+        for buf, src in zip(bank, sources):
+            if not _is(src, buf):
+                buf.copy_(src)
+
+
+def _is(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype)
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Dense and covering its whole allocation (what safetensors' ``save_model`` asks)."""
+    storage = t.untyped_storage()
+    return (t.is_contiguous() and t.data_ptr() == storage.data_ptr()
+            and t.numel() * t.element_size() == storage.nbytes())
+
+
 def is_packed_pair(w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
-    """True when ``w_gate``/``w_up`` are the two halves of one bank (no device work)."""
-    if w_gate.dim() != 3 or w_gate.shape != w_up.shape or w_gate.dtype != w_up.dtype:
-        return False
-    HE, Dh, I = w_gate.shape
-    want = (Dh * 2 * I, 2 * I, 1)
-    return (w_gate.device == w_up.device and w_gate.stride() == want and w_up.stride() == want
-            and w_up.data_ptr() == w_gate.data_ptr() + I * w_gate.element_size())
+    """True when ``w_gate``/``w_up`` have the bank's layout: same shape, dtype and device, each
+    dense and owning its allocation (no device work)."""
+    return (w_gate.dim() == 3 and w_gate.shape == w_up.shape and w_gate.dtype == w_up.dtype
+            and w_gate.device == w_up.device and _owns_storage(w_gate) and _owns_storage(w_up)
+            and not _shares_storage(w_gate, w_up))
 
 
 def pack_expert_weights(weights: ExpertWeights) -> ExpertWeights:
-    """Weights whose gate/up are views into one new bank (benchmarks and functional callers)."""
+    """Weights whose gate/up are a new bank (benchmarks and functional callers)."""
     gate, up = gate_up_views(new_bank(weights.w_gate, weights.w_up))
     return ExpertWeights(gate, up, weights.w_down)
 
@@ -88,25 +143,21 @@ class PackedWeightCache:
 
     def __init__(self) -> None:
         self.pack_count = 0
-        self._bank: torch.Tensor | None = None
+        self._bank: GateUpBank | None = None
         self._stale = False
 
     @property
-    def bank(self) -> torch.Tensor | None:
-        """The bank ``[H*E, Dh, 2I]``, or None before the first pack / after invalidate."""
+    def bank(self) -> GateUpBank | None:
+        """The bank, or None before the first pack / after invalidate."""
         return None if self._stale else self._bank
 
     def is_current(self, w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
-        """True when the parameters are exactly the two halves of the cache's bank."""
+        """True when the parameters are exactly the cache's two buffers."""
         bank = self.bank
-        if bank is None or not is_packed_pair(w_gate, w_up):
-            return False
-        gate, _ = gate_up_views(bank)
-        return (w_gate.data_ptr() == gate.data_ptr() and w_gate.shape == gate.shape
-                and w_gate.dtype == bank.dtype and w_gate.device == bank.device)
+        return bank is not None and _is(w_gate, bank.gate) and _is(w_up, bank.up)
 
     def ensure(self, w_gate: torch.nn.Parameter, w_up: torch.nn.Parameter) -> None:
-        """Pack unless ``w_gate``/``w_up`` already are the bank's halves; after this they are."""
+        """Pack unless ``w_gate``/``w_up`` already are the bank's buffers; after this they are."""
         if self.is_current(w_gate, w_up):
             return
         if w_gate.is_meta or w_up.is_meta:
@@ -119,35 +170,24 @@ class PackedWeightCache:
         self._stale = True
 
     def _pack(self, w_gate: torch.nn.Parameter, w_up: torch.nn.Parameter) -> None:
-        # A swap into a bank of the same shape, dtype and device refills the existing bank in
-        # place: a CUDA graph captured earlier reads the bank's address, so it sees the new
-        # weights after this (one eager forward) instead of a freed or stale buffer. Tensors
-        # that alias the bank (a state_dict taken earlier) see the new values, as they would
-        # after an in-place copy. Anything else (a new shape, dtype or device, or invalidate())
-        # gets a fresh bank; the old one is let go first so it can be freed.
-        old = self._bank
+        check_pair(w_gate, w_up)
+        bank = self._bank
+        if (not self._stale and bank is not None and bank.shape == w_gate.shape
+                and bank.dtype == w_gate.dtype and bank.device == w_gate.device):
+            fill_bank(bank, w_gate, w_up)  # same storage: captured CUDA graphs stay valid
+        else:
+            # A fresh bank: the old one is let go first, so it is freed before the new one is
+            # allocated unless someone else still holds it.
+            self._bank = None
+            bank = new_bank(w_gate, w_up)
         with torch.inference_mode(False), torch.no_grad():
-            if (not self._stale and old is not None and w_gate.shape == w_up.shape
-                    and old.shape == (*w_gate.shape[:-1], 2 * w_gate.shape[-1])
-                    and old.dtype == w_gate.dtype == w_up.dtype
-                    and old.device == w_gate.device == w_up.device):
-                bank = old
-                gate, up = gate_up_views(bank)
-                if w_gate.data_ptr() != gate.data_ptr():
-                    gate.copy_(w_gate)
-                if w_up.data_ptr() != up.data_ptr():
-                    up.copy_(w_up)
-            else:
-                self._bank = old = None
-                bank = new_bank(w_gate, w_up)
-                gate, up = gate_up_views(bank)
-            w_gate.data = gate
-            w_up.data = up
+            w_gate.data = bank.gate
+            w_up.data = bank.up
         self._bank = bank
         self._stale = False
         self.pack_count += 1
 
     def __repr__(self) -> str:
         bank = self.bank
-        where = "empty" if bank is None else f"{tuple(bank.shape)} {bank.dtype} on {bank.device}"
+        where = "empty" if bank is None else f"2 x {tuple(bank.shape)} {bank.dtype} on {bank.device}"
         return f"PackedWeightCache({where}, pack_count={self.pack_count})"

@@ -75,8 +75,8 @@ def expert_reference(
     faults = faults or PrecisionFaults()
     if faults != PrecisionFaults() and precision != "fp32acc":
         raise ValueError(f"faults apply to precision='fp32acc' only, got precision={precision!r}")
-    H, E, Dh = config.num_heads, config.num_experts, config.head_dim
     check_expert_inputs(x, table, weights, config)
+    H, E, Dh = config.num_heads, config.num_experts, config.head_dim
     if precision == "float64":
         work, acc_dtype, out_dtype = torch.float64, torch.float64, torch.float64
     elif precision == "bf16":

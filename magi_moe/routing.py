@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import MoEConfig
-from .validation import check_same_device, check_tensor
+from .validation import check_contiguous, check_same_device, check_tensor
 
 NORM_EPS = 1e-12  # F.normalize's eps for the L1 route normalisation
 
@@ -32,6 +32,9 @@ class Routes:
     probs: torch.Tensor
 
 
+TABLE_FIELDS = ("gather_ids", "sorted_probs", "offsets", "route_slots")
+
+
 @dataclass(frozen=True)
 class RouteTable:
     """Routes sorted by flattened expert ``f = h*E + e``, stably (token order inside an expert).
@@ -41,6 +44,7 @@ class RouteTable:
     ``offsets`` int64 ``[H*E + 1]``: routes of bank ``f`` are ``offsets[f]:offsets[f+1]``.
     ``route_slots`` int64 ``[R]``: position ``(s*H + h)*K + k`` of the route in ``[S, H, K]``;
     deterministic reductions store per-route results there.
+    All four are dense (contiguous) and on one device.
     """
 
     gather_ids: torch.Tensor
@@ -51,15 +55,34 @@ class RouteTable:
     num_heads: int
     num_experts: int
     top_k: int
-    # True only for tables made by magi-moe's own builders (``build_route_table``, the fused
-    # router), whose indices are in range by construction: paths that promise no host sync
-    # skip the index check for them. Not an init field, so hand-built tables and
-    # ``dataclasses.replace`` copies start untrusted and get checked.
-    trusted: bool = field(default=False, init=False, compare=False, repr=False)
+    # The four tensors' version counters when magi-moe's own builders (``build_route_table``,
+    # the fused router) made the table, whose values are valid by construction: paths that
+    # promise no host sync skip the value check for it. Not an init field, so hand-built tables
+    # and ``dataclasses.replace`` copies start untrusted and get checked.
+    _trusted_versions: tuple[tuple[int, int], ...] | None = field(default=None, init=False, compare=False,
+                                                      repr=False)
 
     def mark_trusted(self) -> "RouteTable":
-        object.__setattr__(self, "trusted", True)
+        """Vouch for the current values. Trust lasts while no tensor's version counter moves; a
+        table of inference tensors (no version counter) cannot be watched and stays untrusted."""
+        object.__setattr__(self, "_trusted_versions", self._versions())
         return self
+
+    @property
+    def trusted(self) -> bool:
+        """True while the table is as a magi-moe builder made it: any in-place change to one of
+        its tensors (``t.gather_ids[0] = 7``, ``add_``, ``copy_``, also under ``no_grad`` or
+        inference mode) ends the trust. Four version reads, no device work."""
+        versions = self._trusted_versions
+        return versions is not None and self._versions() == versions
+
+    def _versions(self) -> tuple[tuple[int, int], ...] | None:
+        """(identity, version counter) of each tensor: a tensor swapped in behind the frozen
+        dataclass's back changes the first, an in-place write the second."""
+        try:
+            return tuple((id(t), t._version) for t in (getattr(self, n) for n in TABLE_FIELDS))
+        except (AttributeError, RuntimeError):  # not a tensor, or an inference tensor
+            return None
 
     @property
     def num_routes(self) -> int:
@@ -143,13 +166,40 @@ def route(
     return Routes(expert_ids=expert_ids, probs=route_probs(scores, expert_ids, config))
 
 
+def check_routes(routes: Routes, config: MoEConfig) -> None:
+    """Chosen experts in ``[0, E)`` and distinct per token and head (one sync): a route to a
+    bank of another head, or one expert counted twice, would otherwise make a table that every
+    path runs and that answers wrongly."""
+    if not isinstance(routes, Routes):
+        raise TypeError(f"routes must be a magi_moe.routing.Routes, got {type(routes).__name__}")
+    H, E, K = config.num_heads, config.num_experts, config.top_k
+    ids, probs = routes.expert_ids, routes.probs
+    check_tensor("routes.expert_ids", ids, shape=(None, H, K), dtype=torch.int64)
+    check_tensor("routes.probs", probs, shape=tuple(ids.shape), dtype=(torch.float32, torch.float64))
+    check_same_device(expert_ids=ids, probs=probs)
+    if ids.numel() == 0:
+        return
+    ranked = torch.sort(ids, dim=-1).values
+    lo, hi, repeats = torch.stack([
+        ids.min(), ids.max(), (ranked[..., 1:] == ranked[..., :-1]).sum(),
+    ]).tolist()
+    if lo < 0 or hi >= E:
+        raise ValueError(f"routes.expert_ids must lie in [0, {E}) (experts of one head), "
+                         f"got values in [{lo}, {hi}]")
+    if repeats:
+        raise ValueError(f"routes.expert_ids must name {K} distinct experts for every token and "
+                         f"head, found {repeats} repeated choice(s)")
+
+
 def build_route_table(routes: Routes, config: MoEConfig) -> RouteTable:
-    """Sort routes by flattened expert, stably; empty experts get equal consecutive offsets."""
+    """Sort routes by flattened expert, stably; empty experts get equal consecutive offsets.
+
+    The routes are checked first (:func:`check_routes`, one sync): the table is marked trusted,
+    so its values must be valid by construction."""
+    check_routes(routes, config)
     ids, probs = routes.expert_ids, routes.probs
     H, E, K = config.num_heads, config.num_experts, config.top_k
     S = ids.shape[0]
-    check_tensor("routes.expert_ids", ids, shape=(S, H, K), dtype=torch.int64)
-    check_tensor("routes.probs", probs, shape=(S, H, K))
     device = ids.device
     heads = torch.arange(H, device=device).view(1, H, 1)
     flat_expert = (ids + heads * E).reshape(-1)  # route r = (s*H + h)*K + k, in token order
@@ -170,17 +220,16 @@ def build_route_table(routes: Routes, config: MoEConfig) -> RouteTable:
     ).mark_trusted()
 
 
-def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: int | None = None) -> None:
-    """Full check of a (possibly hand-built) route table. Synchronises: not for hot paths."""
-    HE = config.num_banks
-    R = table.gather_ids.numel()
-    check_tensor("table.gather_ids", table.gather_ids, shape=(None,), dtype=torch.int32)
-    check_tensor("table.sorted_probs", table.sorted_probs, shape=(R,),
-                 dtype=(torch.float32, torch.float64))
-    check_tensor("table.offsets", table.offsets, shape=(HE + 1,), dtype=torch.int64)
-    check_tensor("table.route_slots", table.route_slots, shape=(R,), dtype=torch.int64)
-    check_same_device(gather_ids=table.gather_ids, sorted_probs=table.sorted_probs,
-                      offsets=table.offsets, route_slots=table.route_slots)
+def check_table_layout(table: RouteTable, config: MoEConfig) -> None:
+    """What needs no device work: types, dtypes, shapes, density, one device, and that the table
+    was built for ``config``. Strided views are refused: the kernels read the index tensors as
+    dense memory, so a view with valid values would send them to other addresses."""
+    if not isinstance(table, RouteTable):
+        raise TypeError(f"table must be a magi_moe.routing.RouteTable, got {type(table).__name__}")
+    for name in ("num_tokens", "num_heads", "num_experts", "top_k"):
+        value = getattr(table, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"table.{name} must be an int >= 0, got {value!r}")
     if (table.num_heads, table.num_experts, table.top_k) != (
         config.num_heads, config.num_experts, config.top_k
     ):
@@ -188,53 +237,85 @@ def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: in
             f"table was built for H={table.num_heads} E={table.num_experts} K={table.top_k}, "
             f"config has H={config.num_heads} E={config.num_experts} K={config.top_k}"
         )
+    check_tensor("table.gather_ids", table.gather_ids, shape=(None,), dtype=torch.int32)
+    R = table.gather_ids.numel()
+    check_tensor("table.sorted_probs", table.sorted_probs, shape=(R,),
+                 dtype=(torch.float32, torch.float64))
+    check_tensor("table.offsets", table.offsets, shape=(config.num_banks + 1,), dtype=torch.int64)
+    check_tensor("table.route_slots", table.route_slots, shape=(R,), dtype=torch.int64)
+    for name in TABLE_FIELDS:
+        check_contiguous(f"table.{name}", getattr(table, name))
+    check_same_device(gather_ids=table.gather_ids, sorted_probs=table.sorted_probs,
+                      offsets=table.offsets, route_slots=table.route_slots)
+
+
+def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: int | None = None) -> None:
+    """Full check of a (possibly hand-built) route table: its layout, then its values, read in
+    one host synchronisation (not for hot paths).
+
+    Values: offsets start at 0, never decrease and end at the route count; token indices lie in
+    ``[0, S)`` and route slots in ``[0, S*H*K)`` (the checks that keep a kernel in bounds);
+    slots are distinct, each names the head of its route's bank and the token of its
+    ``gather_ids`` entry (else a reduction adds a route into another output); weights are finite.
+    Every value is computed without trusting the others, so garbage cannot fault the check."""
+    check_table_layout(table, config)
     S = table.num_tokens if num_tokens is None else num_tokens
     if table.num_tokens != S:
         raise ValueError(f"table.num_tokens is {table.num_tokens}, input has {S} tokens")
-    check_table_bounds(table, HE)
+    H, E, K = config.num_heads, config.num_experts, config.top_k
+    R = table.num_routes
+    offsets, tokens, slots = table.offsets, table.gather_ids.long(), table.route_slots
+    stats = [offsets[0], offsets[-1], (offsets[1:] < offsets[:-1]).sum()]
     if R:
-        g = table.gather_ids
-        offsets = table.offsets
-        slots = table.route_slots
-        if torch.unique(slots).numel() != R:
-            raise ValueError("table.route_slots must be distinct: two routes share an output slot")
-        bank = torch.repeat_interleave(torch.arange(HE, device=offsets.device), table.counts())
-        head_of_slot = (slots // config.top_k) % config.num_heads
-        token_of_slot = slots // (config.num_heads * config.top_k)
-        if bool((head_of_slot != bank // config.num_experts).any()):
-            raise ValueError("table.route_slots disagree with the banks' heads given by table.offsets")
-        if bool((token_of_slot != g.to(torch.int64)).any()):
-            raise ValueError("table.route_slots disagree with table.gather_ids (token index)")
-        if not bool(torch.isfinite(table.sorted_probs).all()):
-            raise ValueError("table.sorted_probs must be finite")
-
-
-def check_table_bounds(table: RouteTable, num_banks: int) -> None:
-    """The checks that keep a kernel's memory accesses in bounds: offsets start at 0, never
-    decrease and end at the route count; token indices lie in ``[0, num_tokens)`` and route slots
-    in ``[0, S*H*K)``. One sync."""
-    R, S = table.gather_ids.numel(), table.num_tokens
-    if table.route_slots.numel() != R:
-        raise ValueError(f"table.route_slots must have {R} entries, got {table.route_slots.numel()}")
-    offsets = table.offsets
-    if offsets.numel() != num_banks + 1:
-        raise ValueError(f"table.offsets must have {num_banks + 1} entries, got {offsets.numel()}")
-    if R and table.sorted_probs.numel() != R:
-        raise ValueError(f"table.sorted_probs must have {R} entries, got {table.sorted_probs.numel()}")
-    stats = torch.stack([
-        offsets[0], offsets[-1], (offsets[1:] < offsets[:-1]).sum(),
-        table.gather_ids.min().long() if R else offsets.new_tensor(0),
-        table.gather_ids.max().long() if R else offsets.new_tensor(-1),
-        table.route_slots.min() if R else offsets.new_tensor(0),
-        table.route_slots.max() if R else offsets.new_tensor(-1),
-    ]).tolist()
-    first, last, decreasing, lo, hi, slot_lo, slot_hi = stats
+        repeated = _repeated_slots(slots, S * H * K)
+        # the bank of route r if the offsets are valid (checked first): searchsorted only
+        # compares, so garbage offsets give garbage banks, never a wild read
+        route_ids = torch.arange(R, device=offsets.device)
+        bank = torch.searchsorted(offsets, route_ids, right=True) - 1
+        stats += [tokens.min(), tokens.max(), slots.min(), slots.max(),
+                  repeated,
+                  (torch.div(slots, K, rounding_mode="floor") % H
+                   != torch.div(bank, E, rounding_mode="floor")).sum(),
+                  (torch.div(slots, H * K, rounding_mode="floor") != tokens).sum(),
+                  (~torch.isfinite(table.sorted_probs)).sum()]
+    values = torch.stack([v.to(torch.int64) for v in stats]).tolist()
+    first, last, decreasing = values[:3]
     if first != 0 or last != R:
-        raise ValueError(f"table.offsets must start at 0 and end at the route count {R}, got {first} .. {last}")
+        raise ValueError(f"table.offsets must start at 0 and end at the route count {R}, "
+                         f"got {first} .. {last}")
     if decreasing:
         raise ValueError("table.offsets must be non-decreasing")
-    if R and (lo < 0 or hi >= S):
+    if not R:
+        return
+    lo, hi, slot_lo, slot_hi, repeated, wrong_head, wrong_token, non_finite = values[3:]
+    if lo < 0 or hi >= S:
         raise ValueError(f"table.gather_ids must lie in [0, {S}), got values in [{lo}, {hi}]")
-    n_slots = S * table.num_heads * table.top_k
-    if R and (slot_lo < 0 or slot_hi >= n_slots):
-        raise ValueError(f"table.route_slots must lie in [0, {n_slots}), got values in [{slot_lo}, {slot_hi}]")
+    n_slots = S * H * K
+    if slot_lo < 0 or slot_hi >= n_slots:
+        raise ValueError(f"table.route_slots must lie in [0, {n_slots}), "
+                         f"got values in [{slot_lo}, {slot_hi}]")
+    if repeated:
+        raise ValueError(f"table.route_slots must be distinct: {repeated} route(s) share an "
+                         f"output slot with another")
+    if wrong_head:
+        raise ValueError(f"table.route_slots disagree with the banks' heads given by "
+                         f"table.offsets ({wrong_head} route(s) name another head)")
+    if wrong_token:
+        raise ValueError(f"table.route_slots disagree with table.gather_ids (token index) for "
+                         f"{wrong_token} route(s)")
+    if non_finite:
+        raise ValueError(f"table.sorted_probs must be finite, found {non_finite} non-finite weight(s)")
+
+
+def _repeated_slots(slots: torch.Tensor, n_slots: int) -> torch.Tensor:
+    """How many routes reuse a slot another route has, on the device. A count per slot (slots
+    clamped, so out-of-range ones, refused separately, stay in bounds) when the slots are dense
+    enough; a sort when the table is sparse in a huge token range (O(R) memory either way)."""
+    R = slots.numel()
+    if n_slots <= 8 * R:
+        per_slot = torch.zeros(max(n_slots, 1), dtype=torch.int32, device=slots.device)
+        per_slot.index_add_(0, slots.clamp(0, max(n_slots, 1) - 1),
+                            torch.ones(R, dtype=torch.int32, device=slots.device))
+        return R - (per_slot > 0).sum()
+    ranked = torch.sort(slots).values
+    return (ranked[1:] == ranked[:-1]).sum()

@@ -36,6 +36,63 @@ def check_tensor(
     return value
 
 
+def check_contiguous(name: str, value: torch.Tensor) -> torch.Tensor:
+    """Reject strided views: index tensors and weights the kernels read as dense memory
+    (metadata only, no device work)."""
+    if not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (the kernels read it as dense memory), got "
+                         f"shape {tuple(value.shape)} with strides {value.stride()}; pass "
+                         f"{name.rpartition('.')[2]}.contiguous()")
+    return value
+
+
+def check_out(out: object, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A caller-owned output: a tensor shaped like ``x``, of ``dtype`` (``x``'s by default), on
+    ``x``'s device. Checked before anything is computed, so nothing is broadcast into it or
+    silently rounded."""
+    check_tensor("x", x)
+    return check_tensor("out", out, shape=tuple(x.shape), dtype=dtype or x.dtype, device=x.device)
+
+
+def check_kernel_device(name: str, value: torch.Tensor) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors under the interpreter
+    (``TRITON_INTERPRET=1`` set before Triton is imported); anything else would reach Triton's
+    driver lookup and fail there ("0 active drivers")."""
+    from .backends import interpreter_enabled
+
+    if value.device.type == "cuda" or (value.device.type == "cpu" and interpreter_enabled()):
+        return
+    hint = ("set TRITON_INTERPRET=1 before importing magi_moe to run the kernels under the "
+            "interpreter, or use the 'reference' implementation"
+            if value.device.type == "cpu" else "the kernels run on CUDA devices only")
+    raise ValueError(f"{name} is on {value.device}, where the Triton kernels cannot run: {hint}")
+
+
+def check_device(name: str, device: object) -> torch.device | None:
+    """A device argument that exists here (None passes: torch's default device)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name} must be a torch.device or a device string such as 'cpu' or "
+                         f"'cuda:0', got {device!r} ({exc})") from None
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{name} is {str(dev)!r} but no CUDA GPU is available here; "
+                             f"use device='cpu'")
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"{name} is {str(dev)!r} but only {count} CUDA device(s) exist")
+    return dev
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 def check_finite(name: str, value: torch.Tensor) -> None:
     """Reject NaN/inf. Synchronises with the device: use on slow paths and at load time only."""
     if value.numel() and not bool(torch.isfinite(value).all()):

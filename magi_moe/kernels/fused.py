@@ -37,8 +37,8 @@ Offsets: every ``index * stride`` product is formed in int64 (token, route, padd
 so inputs past ``token * row_stride = 2^31`` are addressed correctly.
 
 The kernels read ``w_gate``/``w_up`` through their strides (unit stride in the last dim): the
-packed bank of :mod:`magi_moe.packed_weights` (``[H*E, Dh, 2I]``, gate in columns ``[0, I)``,
-up in ``[I, 2I)``) and plain contiguous tensors both work without a copy.
+packed bank of :mod:`magi_moe.packed_weights` (two dense ``[H*E, Dh, I]`` buffers), views with
+a larger row stride and plain contiguous tensors all work without a copy.
 
 Interpreter (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (SPEC 8), so
 ``UPCAST`` converts operands to fp32 before each dot (bf16 x bf16 products are exact in fp32)
@@ -63,7 +63,7 @@ from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..inputs import check_expert_inputs
 from ..routing import RouteTable
-from ..validation import check_tensor
+from ..validation import check_kernel_device, check_tensor
 from ..weights import ExpertWeights
 from . import fused_tma as T
 from .blocks import block_rows, store_activation, store_weighted_rows
@@ -534,9 +534,11 @@ def persistent_grid(work_upper_bound: int, programs_per_sm: int, device: torch.d
 
 
 def check_fused_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
-                       config: MoEConfig, *, check_bounds: bool = True) -> None:
-    """Shapes, dtypes, devices, strides and (with ``check_bounds``, one host sync) index bounds."""
+                       config: MoEConfig, *, check_bounds: bool | None = None) -> None:
+    """Shapes, dtypes, devices, strides and (with ``check_bounds``, one host sync; by default
+    for untrusted tables) the table's values: see :func:`~magi_moe.inputs.check_expert_inputs`."""
     check_expert_inputs(x, table, weights, config, dtypes=FUSED_DTYPES, check_bounds=check_bounds)
+    check_kernel_device("x", x)
     if x.numel() and x.stride(-1) != 1:
         raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
     for name, w in weights._asdict().items():
@@ -763,14 +765,12 @@ def fused_forward(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, co
                   check_bounds: bool | None = None) -> torch.Tensor:
     """The expert computation on ``table``'s routes; returns ``out`` ``[S, H*Dh]`` in ``x.dtype``.
 
-    For a table magi-moe built itself (``table.trusted``: the fused router, ``build_route_table``),
-    no host synchronisation, and once the workspace has grown to the problem's size, no
-    allocation. Any other table has its indices checked first (one sync), so a bad hand-built
-    table gets a clear error instead of a wild memory access; ``check_bounds`` overrides. ``schedule``: a block
-    schedule already built on the device (the fused router builds it with the route table);
-    built here otherwise."""
-    if check_bounds is None:
-        check_bounds = not table.trusted
+    For a table magi-moe built itself and nobody changed since (``table.trusted``: the fused
+    router, ``build_route_table``), no host synchronisation, and once the workspace has grown to
+    the problem's size, no allocation. Any other table is validated first (one sync), so a bad
+    hand-built or edited table gets a clear error instead of a wild memory access or a wrong
+    sum; ``check_bounds`` overrides. ``schedule``: a block schedule already built on the device
+    (the fused router builds it with the route table); built here otherwise."""
     check_fused_inputs(x, table, weights, config, check_bounds=check_bounds)
     S, D = x.shape
     if out is None:

@@ -26,12 +26,13 @@ from functools import lru_cache
 
 import torch
 import triton
+from torch.autograd.graph import increment_version
 import triton.language as tl
 
 from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..routing import NORM_EPS, RouteTable
-from ..validation import check_same_device, check_tensor
+from ..validation import check_kernel_device, check_same_device, check_tensor
 from .fused import (BlockSchedule, FusedWorkspace, launch_block_schedule, load_device_entry,
                     shared_workspace)
 
@@ -275,6 +276,7 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
         check_same_device(x=x, gate=gate, bias=bias)
     else:
         check_same_device(x=x, gate=gate)
+    check_kernel_device("x", x)
     S = x.shape[0]
     R = S * H * K
     if R >= 2**31:
@@ -292,6 +294,10 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
     gather_ids = workspace.get("route_gather_ids", (R,), torch.int32)
     sorted_probs = workspace.get("route_sorted_probs", (R,), torch.float32)
     route_slots = workspace.get("route_slots", (R,), torch.int64)
+    # The kernels below rewrite these buffers without moving their version counters: move them
+    # here, so a table returned by an earlier call (views of the same buffers) loses its trust.
+    for buffer in (offsets, gather_ids, sorted_probs, route_slots):
+        increment_version(buffer)
     table = RouteTable(gather_ids, sorted_probs, offsets, route_slots, S, H, E, K).mark_trusted()
     if S == 0:
         offsets.zero_()
@@ -333,5 +339,7 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     workspace = workspace or shared_workspace(x.device)
     tiles = choose_fused_tiles(config, x.shape[0] * config.num_heads * config.top_k, x.device)
     routes = fused_route(x, gate, bias, config, block_m=tiles.block_m, workspace=workspace)
+    # The table was built on the device just now and nothing ran since: no value check (it
+    # would cost a sync), also for inference tensors, whose changes no version counter records.
     return fused_forward(x, routes.table, weights, config, out=out, tiles=tiles,
-                         workspace=workspace, schedule=routes.schedule)
+                         workspace=workspace, schedule=routes.schedule, check_bounds=False)

@@ -32,7 +32,7 @@ from ..config import MoEConfig
 from ..debug import workspace
 from ..inputs import check_expert_inputs
 from ..routing import RouteTable
-from ..validation import check_tensor
+from ..validation import check_kernel_device, check_tensor
 from ..weights import ExpertWeights
 from .rounding import round_operand, swiglu7
 
@@ -203,6 +203,7 @@ def check_native_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeigh
                         config: MoEConfig) -> None:
     check_expert_inputs(x, table, weights, config,
                         dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    check_kernel_device("x", x)
     if x.stride(-1) != 1:
         raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
     for name, w in weights._asdict().items():
