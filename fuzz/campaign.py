@@ -33,22 +33,30 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from .huge import REPO_ROOT, child_env
+from .profiles import FUZZ_DATABASE
 
 __all__ = ["DEFAULT_TESTS", "build_pytest_command", "campaign_main", "rerun_main"]
 
 DEFAULT_TESTS = ("tests/test_fuzz_properties.py", "tests/test_fuzz_huge.py", "tests/test_fuzz_stateful.py")
 PROFILES = ("nightly", "dev", "ci")
+OTHER_COMMANDS = """other commands (each takes --help):
+  python -m fuzz replay RECORD|FILE                  replay one recorded case exactly; exit 1 if it still fails
+  python -m fuzz rerun NODEID --db DIR --backend B   replay a failing test node from a campaign's database
+  python -m fuzz list                                the properties a campaign can run (--properties)"""
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=OTHER_COMMANDS)
     p.add_argument("--backend", default=None, help="cpu, interpret or cuda (default: the best available)")
     p.add_argument("--impl", action="append", default=[],
                    help="implementation under test (name or package.module:attr); repeatable; default: all")
     p.add_argument("--budget-seconds", type=float, default=600.0, help="time budget (default 600)")
     p.add_argument("--seed", type=int, default=None, help="campaign seed (default: random, printed)")
-    p.add_argument("--db", default=".hypothesis/fuzz-db", help="shared example database directory")
+    p.add_argument("--db", default=FUZZ_DATABASE,
+                   help="shared example database directory (default: $FUZZ_DB, else .hypothesis/fuzz-db; "
+                        "the nightly profile's too)")
     p.add_argument("--out", default="fuzz-out", help="output directory (summary.json, junit.xml, failures/)")
     p.add_argument("--profile", default="nightly", choices=PROFILES, help="settings the campaign derives from")
     p.add_argument("--workers", type=int, default=1, help="pytest-xdist workers (one per core or GPU)")
@@ -331,10 +339,11 @@ def campaign_main(argv: list[str]) -> int:
 def rerun_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m fuzz rerun",
                                 description="Replay a failing fuzz test from a campaign's example database.")
-    p.add_argument("nodeid")
-    p.add_argument("--db", required=True)
-    p.add_argument("--backend", required=True)
-    p.add_argument("--impl", action="append", default=[])
+    p.add_argument("nodeid", help="the failing test node, as the campaign printed it")
+    p.add_argument("--db", required=True, help="the campaign's example database directory")
+    p.add_argument("--backend", required=True, help="cpu, interpret or cuda, as in the campaign")
+    p.add_argument("--impl", action="append", default=[],
+                   help="implementation under test, as in the campaign; repeatable")
     p.add_argument("--out", default=None, help="where to write (default: a temporary directory)")
     args = p.parse_args(argv)
     import tempfile

@@ -17,10 +17,10 @@ import torch
 from magi_moe.backends import BACKENDS, Backend
 from magi_moe.registry import Implementation, get_implementation, implementations
 
-try:  # Hypothesis profiles (ci / dev / nightly), chosen with --hypothesis-profile
-    import fuzz.profiles  # noqa: F401
+try:  # Hypothesis profiles (ci / dev / nightly): --hypothesis-profile, else $HYPOTHESIS_PROFILE, else ci
+    from fuzz.profiles import load_default_profile
 except ImportError:  # the fuzz package is optional for the core suite
-    pass
+    load_default_profile = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,11 @@ def pytest_generate_tests(metafunc):
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs(*capabilities): run only implementations declaring them")
     config.addinivalue_line("markers", "kernels_only: skip the float64 oracle itself")
+    if load_default_profile is not None:
+        try:
+            load_default_profile(config.getoption("--hypothesis-profile", default=None))
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
 
 
 @pytest.fixture(scope="session")
