@@ -37,3 +37,16 @@ def test_cells_are_shown_as_given(renderer):
 def test_a_row_of_the_wrong_width_is_refused():
     with pytest.raises(ValueError, match="row 1 has 1 cells, expected 2"):
         format_table(["a", "b"], [["x", "y"], ["z"]])
+
+
+def test_audit_summary_counts_and_names_every_failure_whole():
+    from audit.report import FAIL, PASS, SKIP, Row, summary_table
+
+    rows = [Row("controls", LONG[0], FAIL, ""), Row("controls", LONG[1], FAIL, ""),
+            Row("controls", "ok", PASS, ""), Row("cache", "fused", SKIP, "")]
+    lines = summary_table(rows).splitlines()
+    assert lines[0].split() == ["section", "pass", "FAIL", "info", "skip", "failures"]
+    controls = next(line for line in lines if line.startswith("controls"))
+    assert controls.split()[1:5] == ["1", "2", "0", "0"]
+    assert f"{LONG[0]}, {LONG[1]}" in controls
+    assert next(line for line in lines if line.startswith("cache")).split()[1:5] == ["0", "0", "0", "1"]
