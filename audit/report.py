@@ -24,6 +24,7 @@ from magi_moe.problems import Problem, run_poisoned
 from magi_moe.implementation import Implementation
 from magi_moe.impls import BASELINE, REFERENCE
 from magi_moe.registry import get_implementation, implementations
+from magi_moe.text_tables import format_table
 
 from . import mpcheck
 from .bounds import (DEFAULT_FAILURE_PROBABILITY, BoundReport, compare_with_baseline,
@@ -204,7 +205,7 @@ class Audit:
 
     def section_mpcheck(self) -> None:
         for c in mpcheck.iter_checks(seed=self.options.seed, quick=True):
-            self.add("mpcheck", c.name[:42], PASS if c.ok else FAIL, c.detail, {"name": c.name})
+            self.add("mpcheck", c.name, PASS if c.ok else FAIL, c.detail, {"name": c.name})
 
     def section_bounds(self) -> dict[str, Problem]:
         o = self.options
@@ -293,7 +294,7 @@ class Audit:
                 status = PASS if flagged else FAIL
                 result = (f"flagged on {', '.join(flagged)}" if flagged else
                           f"NOT flagged (max err/prob. bound {worst:.3g}): the bounds lost their power")
-            self.add("controls", f"{impl.name}: {impl.description}"[:42], status, result,
+            self.add("controls", f"{impl.name}: {impl.description}", status, result,
                      {"description": impl.description})
 
     def main_problem(self, problems: dict[str, Problem]) -> Problem:
@@ -452,16 +453,15 @@ def environment(backend: Backend, options: AuditOptions) -> dict:
 
 
 def summary_table(rows: list[Row]) -> str:
-    """Per section: counts by status, and the failing subjects."""
-    lines = [f"{'section':<12} {'pass':>5} {'FAIL':>5} {'info':>5} {'skip':>5}  failures"]
-    sections = list(dict.fromkeys(r.section for r in rows))
-    for s in sections:
+    """Per section: counts by status, and the failing subjects (whole)."""
+    table = []
+    for s in dict.fromkeys(r.section for r in rows):
         mine = [r for r in rows if r.section == s]
         count = lambda st: sum(r.status == st for r in mine)  # noqa: E731
-        failures = ", ".join(r.subject for r in mine if r.status == FAIL)
-        lines.append(f"{s:<12} {count(PASS):>5} {count(FAIL):>5} {count(INFO):>5} {count(SKIP):>5}  "
-                     f"{failures[:100]}")
-    return "\n".join(lines)
+        table.append([s, count(PASS), count(FAIL), count(INFO), count(SKIP),
+                      ", ".join(r.subject for r in mine if r.status == FAIL)])
+    return format_table(["section", "pass", "FAIL", "info", "skip", "failures"], table,
+                        numeric_columns=(1, 2, 3, 4))
 
 
 def _md_escape(text: str) -> str:

@@ -55,12 +55,16 @@ def replay_main(argv: list[str]) -> int:
 
 
 def list_main(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="python -m fuzz list",
+                            description="The properties a campaign can run (--properties).").parse_args(argv)
+    from magi_moe.text_tables import format_table
+
     from .properties import PROPERTIES
+    rows = []
     for name, prop in PROPERTIES.items():
-        needs = f"  (needs {', '.join(prop.needs)})" if prop.needs else ""
         doc = " ".join((prop.check.__doc__ or "").split())
-        first = doc.split(": ")[0].split(". ")[0].rstrip(".")
-        print(f"{name:18s} {first}{needs}")
+        rows.append([name, ", ".join(prop.needs), doc.split(": ")[0].split(". ")[0].rstrip(".")])
+    print(format_table(["property", "needs", "checks"], rows))
     return 0
 
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from . import database as fuzz_db
 from .huge import REPO_ROOT, child_env
 from .record import REPLAY_UNAVAILABLE
+from .profiles import FUZZ_DATABASE
 
 __all__ = ["DEFAULT_TESTS", "build_pytest_command", "campaign_main", "rerun_main"]
 
@@ -52,18 +53,23 @@ _TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 DEFAULT_TESTS = tuple(str((_TESTS_DIR / name).relative_to(REPO_ROOT)) for name in (
     "test_fuzz_properties.py", "test_fuzz_huge.py", "test_fuzz_stateful.py"))
 PROFILES = ("nightly", "dev", "ci")
+OTHER_COMMANDS = """other commands (each takes --help):
+  python -m fuzz replay RECORD|FILE                  replay one recorded case exactly; exit 1 if it still fails
+  python -m fuzz rerun NODEID --db DIR --backend B   replay a failing test node from a campaign's database
+  python -m fuzz list                                the properties a campaign can run (--properties)"""
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=OTHER_COMMANDS)
     p.add_argument("--backend", default=None, help="cpu, interpret or cuda (default: the best available)")
     p.add_argument("--impl", action="append", default=[],
                    help="implementation under test (name or package.module:attr); repeatable; default: all")
     p.add_argument("--budget-seconds", type=float, default=600.0, help="time budget (default 600)")
     p.add_argument("--seed", type=int, default=None, help="campaign seed (default: random, printed)")
-    p.add_argument("--db", default=".hypothesis/fuzz-db",
-                   help="example database: a directory (one machine) or redis://host:port/N (shared by "
+    p.add_argument("--db", default=FUZZ_DATABASE,
+                   help="example database (default: $FUZZ_DB, else .hypothesis/fuzz-db): a directory (one machine) or redis://host:port/N (shared by "
                         "every machine; paired with --db-local)")
     p.add_argument("--db-local", default=None,
                    help=f"local directory paired with a Redis --db (default {fuzz_db.DEFAULT_LOCAL_DIR})")
@@ -600,10 +606,11 @@ def _forget_fixed_nodes(db, findings: list[dict], summary: dict) -> None:
 def rerun_main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m fuzz rerun",
                                 description="Replay a failing fuzz test from a campaign's example database.")
-    p.add_argument("nodeid")
-    p.add_argument("--db", required=True)
-    p.add_argument("--backend", required=True)
-    p.add_argument("--impl", action="append", default=[])
+    p.add_argument("nodeid", help="the failing test node, as the campaign printed it")
+    p.add_argument("--db", required=True, help="the campaign's example database directory")
+    p.add_argument("--backend", required=True, help="cpu, interpret or cuda, as in the campaign")
+    p.add_argument("--impl", action="append", default=[],
+                   help="implementation under test, as in the campaign; repeatable")
     p.add_argument("--out", default=None, help="where to write (default: a temporary directory)")
     args = p.parse_args(argv)
     import tempfile

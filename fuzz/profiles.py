@@ -1,7 +1,9 @@
-"""Hypothesis profiles for the fuzzers, chosen explicitly (``--hypothesis-profile ci|dev|nightly``).
+"""Hypothesis profiles for the fuzzers (``--hypothesis-profile ci|dev|nightly``; ``ci`` by default).
 
 SPEC section 9: Hypothesis' built-in ``ci`` profile is only loaded when ``CI`` is set, and tox
-drops that variable, so the profile is always named on the command line instead.
+drops that variable. So the test suite loads one itself (:func:`load_default_profile`, from
+``tests/conftest.py``): ``--hypothesis-profile NAME`` first, else ``$HYPOTHESIS_PROFILE``, else
+``ci``, so that no run meets Hypothesis' own 200 ms deadline on an interpreted kernel call.
 
 * ``ci``: derandomised (the same examples on every commit), no example database, a small example
   budget and small shapes, no shrinking: the per-commit run. Shrinking a failure found under
@@ -11,7 +13,7 @@ drops that variable, so the profile is always named on the command line instead.
 * ``nightly``: random, large budgets, no deadline, a shared example database so failures found
   overnight replay first the next night: ``$FUZZ_DB`` when set (a directory or a
   ``redis://`` URL, :mod:`fuzz.database`; how HypoFuzz or a plain ``pytest`` run joins the
-  campaigns' database), else the directory ``NIGHTLY_DATABASE`` (relative to the working
+  campaigns' database), else the directory ``FUZZ_DATABASE`` (relative to the working
   directory). The campaign runner derives its own profile from this one with the database it
   is given.
 
@@ -23,11 +25,14 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import InvalidArgument
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-__all__ = ["NIGHTLY_DATABASE", "SIZE_BUDGETS", "examples", "size_budget", "register_campaign_profile"]
+__all__ = ["FUZZ_DATABASE", "PROFILE_ENV", "SIZE_BUDGETS", "examples", "load_default_profile",
+           "size_budget", "register_campaign_profile"]
 
-NIGHTLY_DATABASE = ".hypothesis/fuzz-nightly"
+# One example database for nightly runs, campaigns and HypoFuzz.
+FUZZ_DATABASE = os.environ.get("FUZZ_DB") or ".hypothesis/fuzz-db"
 
 # Shape budget per profile: strategies scale token counts and widths with it (1 = per-commit sizes).
 SIZE_BUDGETS = {"ci": 1.0, "dev": 2.0, "nightly": 8.0, "campaign": 8.0}
@@ -45,7 +50,7 @@ settings.register_profile(
 def _nightly_database():
     spec = os.environ.get("FUZZ_DB", "").strip()
     if not spec:
-        return DirectoryBasedExampleDatabase(NIGHTLY_DATABASE)
+        return DirectoryBasedExampleDatabase(FUZZ_DATABASE)
     from .database import open_database
     return open_database(spec, check=False, what="FUZZ_DB")  # a Redis URL connects on first use
 
@@ -70,6 +75,32 @@ def register_campaign_profile(database, *, max_examples: int, parent: str = "nig
         database=database, **overrides,
     )
     return "campaign"
+
+
+PROFILE_ENV = "HYPOTHESIS_PROFILE"  # the profile a test run loads when none is named on the command line
+DEFAULT_PROFILE = "ci"
+# Profiles nobody chose on purpose: Hypothesis' own default, and its ci when it saw $CI.
+_AUTOMATIC = (None, "default", "ci")
+
+
+def load_default_profile(requested: str | None = None) -> str:
+    """Load the profile a test run asked for, and return its name: ``requested`` (the value of
+    ``--hypothesis-profile``), else ``$HYPOTHESIS_PROFILE``, else ``ci``. A profile another
+    plugin already loaded on purpose (the campaign runner's ``campaign``) is kept."""
+    if not requested:
+        if _current_profile() not in _AUTOMATIC:
+            return _current_profile()
+        requested = os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
+        source = f"${PROFILE_ENV}"
+    else:
+        source = "--hypothesis-profile"
+    try:
+        settings.load_profile(requested)
+    except InvalidArgument:
+        raise ValueError(f"{source} must name a registered Hypothesis profile (ci, dev, nightly, "
+                         f"Hypothesis' default, or one registered by your own code), got {requested!r}"
+                         ) from None
+    return requested
 
 
 def _current_profile() -> str | None:

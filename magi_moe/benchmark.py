@@ -44,6 +44,7 @@ from .registry import get_implementation
 from .problems import Problem, random_problem, relative_l2
 from .reference import expert_reference
 from .routing import build_route_table, route
+from .text_tables import format_table as text_table
 from .weights import ExpertWeights
 
 COPY_GBPS = 4281.0      # ANCHORS.md: device-to-device copy on the H200, bytes read + written
@@ -615,37 +616,78 @@ def environment(device: torch.device) -> dict:
 
 
 def format_table(results: list[dict]) -> str:
-    lines = ["case            floor ms (mem/comp)   path           median    p90  x floor   rel L2"]
+    rows = []
     for r in results:
         fl = r["floors"]
-        head = f"{r['label']:<15} {fl['memory_floor_ms']:.3f}/{fl['compute_floor_ms']:.3f}"
         for i, (name, st) in enumerate(r["timings"].items()):
             err = r["parity"].get(name, {}).get("rel_l2")
-            err_s = f"{err:.2e}" if err is not None else "-"
-            xf = f"{st['x_floor']:.2f}" if st.get("x_floor") else "-"
-            lines.append(f"{head if i == 0 else '':<37} {name:<13} {st['median_ms']:7.3f} "
-                         f"{st['p90_ms']:6.3f} {xf:>8} {err_s:>8}")
-    return "\n".join(lines)
+            rows.append([r["label"] if i == 0 else "",
+                         f"{fl['memory_floor_ms']:.3f}/{fl['compute_floor_ms']:.3f}" if i == 0 else "",
+                         name, f"{st['median_ms']:.3f}", f"{st['p90_ms']:.3f}",
+                         f"{st['x_floor']:.2f}" if st.get("x_floor") else "-",
+                         f"{err:.2e}" if err is not None else "-"])
+    return text_table(["case", "floor ms (mem/comp)", "path", "median ms", "p90 ms", "x floor", "rel L2"],
+                      rows, numeric_columns=(3, 4, 5, 6))
+
+
+# The harness on the CPU: the Triton paths under the interpreter, at widths it finishes in seconds.
+CPU_SMOKE = ("TRITON_INTERPRET=1 python -m magi_moe.benchmark --device cpu --heads 1 --tokens 64 "
+             "--experts 8 --top-k 2 --head-dim 64 --inter 128 --warmup 0 --iters 2 --flush-mib 256")
+TORCH_ONLY_PATHS = ("routing", "torch-bf16")
+
+
+def cannot_run_here(device: str | None, paths: tuple[str, ...]) -> str | None:
+    """Why the benchmark cannot run as asked on this machine, or None: said before any problem
+    is drawn (without it a CPU machine drew production-size problems for most of a minute and
+    then failed inside Triton's driver lookup)."""
+    from .backends import BACKENDS, interpreter_enabled
+
+    try:
+        kind = "cuda" if device is None else torch.device(device).type
+    except RuntimeError:
+        return f"--device must be cuda, cuda:N or cpu, got {device!r}"
+    if kind not in ("cuda", "cpu"):
+        return f"--device must be cuda, cuda:N or cpu, got {device!r}"
+    if kind == "cuda":
+        why = BACKENDS["cuda"].unavailable_reason()
+        if why is None:
+            return None
+        asked = "" if device is None else f"--device {device}: "
+        return (f"{asked}{why}. The benchmark times GPU kernels: run it on a CUDA machine, or "
+                f"smoke-test the harness on the CPU under the Triton interpreter:\n  {CPU_SMOKE}")
+    triton_paths = [p for p in paths if p not in TORCH_ONLY_PATHS]
+    if triton_paths and not interpreter_enabled():
+        return (f"--device {device} runs the Triton paths ({','.join(triton_paths)}) only under the "
+                f"interpreter: set TRITON_INTERPRET=1 before the command, e.g.\n  {CPU_SMOKE}\n"
+                f"or time only --paths {','.join(TORCH_ONLY_PATHS)}")
+    return None
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m magi_moe.benchmark", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[4096])
-    ap.add_argument("--heads", type=int, nargs="+", default=[3])
-    ap.add_argument("--anchors", action="store_true", help="the four cases of ANCHORS.md")
-    ap.add_argument("--experts", type=int, default=256, help="experts per head")
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--head-dim", type=int, default=256)
-    ap.add_argument("--inter", type=int, default=1280)
-    ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--iters", type=int, default=100)
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096],
+                    help="tokens per case; several give several cases (default 4096)")
+    ap.add_argument("--heads", type=int, nargs="+", default=[3],
+                    help="MoE heads per case; crossed with --tokens (default 3, one EP4-local rank)")
+    ap.add_argument("--anchors", action="store_true",
+                    help="the four cases of ANCHORS.md instead of --heads x --tokens")
+    ap.add_argument("--experts", type=int, default=256, help="experts per head (default 256)")
+    ap.add_argument("--top-k", type=int, default=6, help="experts chosen per token and head (default 6)")
+    ap.add_argument("--head-dim", type=int, default=256, help="head width Dh (default 256)")
+    ap.add_argument("--inter", type=int, default=1280, help="expert intermediate width I (default 1280)")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed calls per path first (default 10)")
+    ap.add_argument("--iters", type=int, default=100, help="timed calls per path and round (default 100)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds per case; the best round's median is reported (default 1)")
     ap.add_argument("--paths", default=",".join(DEFAULT_PATHS),
-                    help=f"comma-separated, among {','.join(ALL_PATHS)}")
-    ap.add_argument("--flush-mib", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+                    help=f"comma-separated, among {','.join(ALL_PATHS)} (default {','.join(DEFAULT_PATHS)})")
+    ap.add_argument("--flush-mib", type=int, default=512,
+                    help="MiB zeroed before every timed call to flush the L2 (>= 256; default 512)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the drawn problems (default 0)")
+    ap.add_argument("--device", default=None,
+                    help="cuda (the default; refused at once without a GPU) or cpu, a smoke test of "
+                         "the harness with host timers that needs TRITON_INTERPRET=1 for the Triton paths")
     ap.add_argument("--sweep", action="store_true", help="sweep the fused kernels' tiles first")
     ap.add_argument("--write-tiles", action="store_true", help="with --sweep: update tiles/fused.json")
     ap.add_argument("--sweep-only", action="store_true", help="with --sweep: no benchmark after it")
@@ -653,7 +695,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --write-tiles: replace only the tabled classes the swept cases fall in")
     ap.add_argument("--breakdown", action="store_true",
                     help="time each launch of the fused path alone, per case")
-    ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--json", metavar="PATH", help="write everything measured here as JSON")
     args = ap.parse_args(argv)
     args.paths = tuple(p for p in args.paths.split(",") if p)
     bad = [p for p in args.paths if p not in ALL_PATHS]
@@ -663,6 +705,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error("--flush-mib must be at least 256 (the flush must exceed the L2 several times)")
     if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         ap.error("--iters and --rounds must be >= 1, --warmup >= 0")
+    why = cannot_run_here(args.device, args.paths)
+    if why:
+        ap.error(why)
+    args.device = args.device or "cuda"
     return args
 
 

@@ -14,10 +14,18 @@ from magi_moe.impls import BASELINE, REFERENCE
 
 pytest_plugins = ["magi_moe.pytest_plugin"]
 
-try:  # Hypothesis profiles (ci / dev / nightly), chosen with --hypothesis-profile
-    import magi_moe.fuzz.profiles  # noqa: F401
+try:  # Hypothesis profiles (ci / dev / nightly): --hypothesis-profile, else $HYPOTHESIS_PROFILE, else ci
+    from magi_moe.fuzz.profiles import load_default_profile
 except ImportError:  # the fuzz package is optional for the core suite
-    pass
+    load_default_profile = None
+
+
+def pytest_configure(config):
+    if load_default_profile is not None:
+        try:
+            load_default_profile(config.getoption("--hypothesis-profile", default=None))
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
 
 
 @pytest.fixture(scope="session")

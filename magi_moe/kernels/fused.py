@@ -117,7 +117,10 @@ def block_schedule_kernel(
     # Bank f owns slots blocks_end[f] - blocks[f] .. blocks_end[f] - 1; slot j of it starts
     # at route starts[f] + j * BLOCK_M, i.e. at base[f] + slot * BLOCK_M.
     base = starts - (blocks_end - blocks) * BLOCK_M
-    for chunk in range(pid, tl.cdiv(live_blocks, SLOTS), tl.num_programs(0)):
+    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    num_chunks = tl.cdiv(live_blocks, SLOTS)
+    chunk = pid
+    while chunk < num_chunks:
         slot = tl.cast(chunk, tl.int64) * SLOTS + tl.arange(0, SLOTS).to(tl.int64)
         owner = ((slot[:, None] >= (blocks_end - blocks)[None, :])
                  & (slot[:, None] < blocks_end[None, :]))
@@ -126,6 +129,7 @@ def block_schedule_kernel(
         m = slot < live_blocks
         tl.store(block_bank_ptr + slot, bank.to(tl.int32), mask=m)
         tl.store(block_start_ptr + slot, start, mask=m)
+        chunk += tl.num_programs(0)
 
 
 @triton.jit
@@ -160,7 +164,9 @@ def gate_up_kernel(
     # Persistent: the grid is sized on the host, the work (live blocks x N tiles) on the device.
     num_n: tl.constexpr = INTER // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    item = tl.program_id(0)
+    while item < work:
         block = item // num_n
         n_block = item % num_n
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
@@ -189,6 +195,7 @@ def gate_up_kernel(
             wu_ptrs += BLOCK_K * stride_wu_k
 
         store_activation(acc_g, acc_u, block, n, act_ptr, stride_act, BLOCK_M, UPCAST)
+        item += tl.num_programs(0)
 
 
 @triton.jit
@@ -220,7 +227,9 @@ def down_kernel(
 ):
     num_n: tl.constexpr = HEAD_DIM // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    item = tl.program_id(0)
+    while item < work:
         block = item // num_n
         n_block = item % num_n
         bank = tl.load(block_bank_ptr + block).to(tl.int64)
@@ -244,6 +253,7 @@ def down_kernel(
 
         store_weighted_rows(acc, rows, row_mask, n, probs_ptr, slots_ptr, rows_ptr,
                             slot_route_ptr, stride_rows)
+        item += tl.num_programs(0)
 
 
 @triton.jit

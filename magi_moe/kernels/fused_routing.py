@@ -148,7 +148,9 @@ def bank_prefix_kernel(
     f = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     f_mask = f < num_banks
     carry = tl.zeros((BLOCK_B,), dtype=tl.int32)
-    for t0 in range(0, num_blocks, BLOCK_TB):
+    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    t0 = 0
+    while t0 < num_blocks:
         t = t0 + tl.arange(0, BLOCK_TB)
         m = (t < num_blocks)[:, None] & f_mask[None, :]
         offs = t.to(tl.int64)[:, None] * num_banks + f[None, :]
@@ -156,6 +158,7 @@ def bank_prefix_kernel(
         inclusive = tl.cumsum(c, axis=0)
         tl.store(prefix_ptr + offs, carry[None, :] + inclusive - c, mask=m)
         carry += tl.sum(c, axis=0)
+        t0 += BLOCK_TB
     tl.store(totals_ptr + f, carry, mask=f_mask)
 
 

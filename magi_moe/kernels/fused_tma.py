@@ -86,7 +86,9 @@ def gate_up_tma_kernel(
 ):
     num_n: tl.constexpr = INTER // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    item = tl.program_id(0)
+    while item < work:
         block = item // num_n
         n0 = (item % num_n) * BLOCK_N
         bank = tl.load(block_bank_ptr + block)
@@ -119,6 +121,7 @@ def gate_up_tma_kernel(
         else:
             store_activation(acc_g, acc_u, block, n0 + tl.arange(0, BLOCK_N), act_ptr,
                              stride_act, BLOCK_M, UPCAST)
+        item += tl.num_programs(0)
 
 
 @triton.jit
@@ -139,7 +142,9 @@ def down_tma_kernel(
 ):
     num_n: tl.constexpr = HEAD_DIM // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    for item in range(tl.program_id(0), work, tl.num_programs(0)):
+    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    item = tl.program_id(0)
+    while item < work:
         block = item // num_n
         n0 = (item % num_n) * BLOCK_N
         bank = tl.load(block_bank_ptr + block)
@@ -157,6 +162,7 @@ def down_tma_kernel(
 
         store_weighted_rows(acc, rows, row_mask, n0 + tl.arange(0, BLOCK_N), probs_ptr,
                             slots_ptr, rows_ptr, slot_route_ptr, stride_rows)
+        item += tl.num_programs(0)
 
 
 @triton.jit
@@ -184,7 +190,10 @@ def expert_mlp_tma_kernel(
     ``BLOCK_N``-wide slice of the activation is rounded to ``ACT_DTYPE`` (the same precision
     point as the two-kernel path) and multiplied into the fp32 ``[BLOCK_M, Dh]`` output
     accumulator straight from registers, so the activation never goes to memory."""
-    for block in range(tl.program_id(0), tl.load(block_count_ptr), tl.num_programs(0)):
+    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    num_blocks = tl.load(block_count_ptr)
+    block = tl.program_id(0)
+    while block < num_blocks:
         bank = tl.load(block_bank_ptr + block)
         rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
         x_tile = block_x_rows(x_ptr, gather_ptr, rows, row_mask, bank.to(tl.int64) // num_experts,
@@ -207,6 +216,7 @@ def expert_mlp_tma_kernel(
             acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
         store_weighted_rows(acc, rows, row_mask, tl.arange(0, HEAD_DIM), probs_ptr, slots_ptr,
                             rows_ptr, slot_route_ptr, stride_rows)
+        block += tl.num_programs(0)
 
 
 # ---------------------------------------------------------------------------------------------

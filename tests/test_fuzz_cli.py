@@ -1,0 +1,37 @@
+"""``python -m fuzz``'s help names every command, and ``list`` names every property."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("hypothesis")
+
+from magi_moe.fuzz.__main__ import main  # noqa: E402
+from magi_moe.fuzz.properties import PROPERTIES  # noqa: E402
+
+
+def test_help_names_the_other_commands(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    text = capsys.readouterr().out
+    for command in ("python -m fuzz replay", "python -m fuzz rerun", "python -m fuzz list"):
+        assert command in text, text
+
+
+@pytest.mark.parametrize("command", ["replay", "rerun", "list"])
+def test_each_command_has_its_own_help(command, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main([command, "--help"])
+    assert stop.value.code == 0
+    assert f"python -m fuzz {command}" in capsys.readouterr().out
+
+
+def test_list_names_every_property_with_its_needs(capsys):
+    assert main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["property", "needs", "checks"]
+    listed = {line.split()[0]: line for line in lines[2:]}
+    assert set(listed) == set(PROPERTIES)
+    for name, prop in PROPERTIES.items():
+        for need in prop.needs:
+            assert need in listed[name]
