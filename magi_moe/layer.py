@@ -214,7 +214,7 @@ class MagiMoE(nn.Module):
         impl = self.implementation(x)
         if self.impl is not None:
             _check_runs_here(impl, x)
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
             self._pin_for_graph()
         if impl.layer_forward is not None and self.weight_cache is not None:
             return impl.layer_forward(self, x)

@@ -35,6 +35,11 @@ class Routes:
 TABLE_FIELDS = ("gather_ids", "sorted_probs", "offsets", "route_slots")
 
 
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
 @dataclass(frozen=True)
 class RouteTable:
     """Routes sorted by flattened expert ``f = h*E + e``, stably (token order inside an expert).
@@ -64,7 +69,11 @@ class RouteTable:
 
     def mark_trusted(self) -> "RouteTable":
         """Vouch for the current values. Trust lasts while no tensor's version counter moves; a
-        table of inference tensors (no version counter) cannot be watched and stays untrusted."""
+        table of inference tensors (no version counter) cannot be watched and stays untrusted,
+        and so does a table made inside ``torch.compile`` tracing (version counters are not
+        values there): a caller that uses it in the same call skips the check on its own."""
+        if _compiling():
+            return self
         object.__setattr__(self, "_trusted_versions", self._versions())
         return self
 

@@ -32,10 +32,13 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 for step in "${steps[@]}"; do
   case $step in
-    tests) run_step tests 300 python3 -m pytest -m "not slow and not benchmark" --backend cuda -q \
+    tests) run_step tests 300 python3 -m pytest -m "not slow and not benchmark and not serial" --backend cuda -q \
              --hypothesis-profile "${TEST_PROFILE:-ci}" \
              -n "${TEST_WORKERS:-8}" -p no:cacheprovider --durations=15 -W ignore \
-             --junitxml="$OUT/tests.xml" ${TEST_ARGS:-} ;;
+             --junitxml="$OUT/tests.xml" ${TEST_ARGS:-}
+           # tests that need the GPU's memory to themselves, one at a time
+           run_step serial 240 python3 -m pytest -m "serial" --backend cuda -q -p no:cacheprovider \
+             --hypothesis-profile "${TEST_PROFILE:-ci}" -W ignore --junitxml="$OUT/serial.xml" ;;
     audit) run_step audit 240 python3 -m audit --backend cuda --out "$OUT/audit" ;;
     graphs) run_step graphs 300 python3 -m audit --backend cuda --impl fused --impl native-det \
              --preset magi2-ep4-local --probe random --no-mpcheck --no-controls --out "$OUT/audit-graphs" ;;

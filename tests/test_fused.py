@@ -323,10 +323,10 @@ def test_workspace_is_reused_once_warm(device):
     assert ws.allocations > warm
 
 
-def test_bad_arguments_name_the_argument():
-    """Checked before any launch: no backend needed."""
+def test_bad_arguments_name_the_argument(triton_device):
+    """Checked before any launch, on a device where the kernels could run."""
     fused = F()
-    problem = random_problem(preset("tiny"), 8, seed=17)
+    problem = random_problem(preset("tiny"), 8, seed=17, device=triton_device)
     x, t, w, cfg = problem.x, problem.table, problem.weights, problem.config
     cases = [
         (lambda: fused.fused_forward(x.float(), t, w, cfg), "x must have dtype"),

@@ -67,6 +67,7 @@ def test_huge_offsets(impl_backend, data):
     fuzzers.run("huge_offsets", target, case, params)
 
 
+@pytest.mark.serial
 @pytest.mark.kernels_only
 @pytest.mark.needs("int64_offsets")
 def test_layer_past_int32_offsets(impl_backend):

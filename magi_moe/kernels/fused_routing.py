@@ -299,8 +299,9 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
     route_slots = workspace.get("route_slots", (R,), torch.int64)
     # The kernels below rewrite these buffers without moving their version counters: move them
     # here, so a table returned by an earlier call (views of the same buffers) loses its trust.
-    for buffer in (offsets, gather_ids, sorted_probs, route_slots):
-        increment_version(buffer)
+    if not torch.compiler.is_compiling():  # traced tables are never trusted (RouteTable.mark_trusted)
+        for buffer in (offsets, gather_ids, sorted_probs, route_slots):
+            increment_version(buffer)
     table = RouteTable(gather_ids, sorted_probs, offsets, route_slots, S, H, E, K).mark_trusted()
     if S == 0:
         offsets.zero_()
