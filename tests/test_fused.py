@@ -331,14 +331,15 @@ def test_bad_arguments_name_the_argument(triton_device):
     cases = [
         (lambda: fused.fused_forward(x.float(), t, w, cfg), "x must have dtype"),
         (lambda: fused.fused_forward(x, t, w.to(torch.float16), cfg), "dtype"),
-        (lambda: fused.fused_forward(torch.empty(8, 2 * cfg.hidden_size, dtype=x.dtype)[:, ::2],
+        (lambda: fused.fused_forward(torch.empty(8, 2 * cfg.hidden_size, dtype=x.dtype,
+                                                 device=triton_device)[:, ::2],
                                      t, w, cfg), "x must have unit stride"),
         (lambda: fused.fused_forward(x, RouteTable(t.gather_ids, t.sorted_probs.double(), t.offsets,
                                                    t.route_slots, 8, 2, 8, 2), w, cfg),
          "table.sorted_probs"),
         (lambda: fused.fused_forward(x, t, w, cfg.replace(top_k=1)), "table was built for"),
-        (lambda: fused.fused_forward(x, t, w, cfg, out=torch.empty(7, cfg.hidden_size,
-                                                                   dtype=x.dtype)), "out"),
+        (lambda: fused.fused_forward(x, t, w, cfg, out=torch.empty(7, cfg.hidden_size, dtype=x.dtype,
+                                                                   device=triton_device)), "out"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
