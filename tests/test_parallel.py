@@ -275,7 +275,7 @@ def gloo_outputs(tmp_path_factory) -> str:
     pytest.param(c, marks=[pytest.mark.interpret, pytest.mark.skipif(
         not BACKENDS["interpret"].available, reason="TRITON_INTERPRET=1 not set")])
     for c in INTERPRET_CASES], ids=lambda c: c.name)
-@pytest.mark.slow  # four spawned processes (about 20 s)
+@pytest.mark.slow  # the fixture spawns four processes: 10-20 s
 def test_ep_on_gloo_equals_one_process_bitwise(case, gloo_outputs):
     _check_against_single_process(case, gloo_outputs, torch.device("cpu"), exact=True)
 
