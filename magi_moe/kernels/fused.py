@@ -117,7 +117,7 @@ def block_schedule_kernel(
     # Bank f owns slots blocks_end[f] - blocks[f] .. blocks_end[f] - 1; slot j of it starts
     # at route starts[f] + j * BLOCK_M, i.e. at base[f] + slot * BLOCK_M.
     base = starts - (blocks_end - blocks) * BLOCK_M
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (CONTRACT section 8).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     num_chunks = tl.cdiv(live_blocks, SLOTS)
     chunk = pid
     while chunk < num_chunks:
@@ -164,7 +164,7 @@ def gate_up_kernel(
     # Persistent: the grid is sized on the host, the work (live blocks x N tiles) on the device.
     num_n: tl.constexpr = INTER // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (CONTRACT section 8).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     item = tl.program_id(0)
     while item < work:
         block = item // num_n
@@ -227,7 +227,7 @@ def down_kernel(
 ):
     num_n: tl.constexpr = HEAD_DIM // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (CONTRACT section 8).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     item = tl.program_id(0)
     while item < work:
         block = item // num_n
