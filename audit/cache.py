@@ -1,4 +1,4 @@
-"""Weight-cache auditor (SPEC section 5): after every way a user changes weights, the next
+"""Weight-cache auditor (CONTRACT section 5): after every way a user changes weights, the next
 forward must use the new weights; without a change, nothing is repacked.
 
 It works against the cache protocol: a layer (a ``MagiMoE``) whose ``weight_cache`` has

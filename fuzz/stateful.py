@@ -1,5 +1,5 @@
 """Weight-version swaps: a state machine that interleaves forward passes with every way of
-changing weights listed in SPEC section 5, for layers with a packed-weight cache.
+changing weights listed in CONTRACT section 5, for layers with a packed-weight cache.
 
 Each forward is checked against the float64 reference on the weights *as they are now* (same
 routes, error within :mod:`fuzz.tolerance`'s bound), so a cache that serves old weights fails
@@ -43,7 +43,7 @@ from .tolerance import differential_report
 __all__ = ["CHANGES", "EXPERT_PARAMS", "ROUTER_TENSORS", "LayerFactory", "layer_factory_for",
            "weight_swap_machine"]
 
-# The change routes of SPEC section 5, by the names the machine's rules use.
+# The change routes of CONTRACT section 5, by the names the machine's rules use.
 CHANGES = (
     "inplace",          # param.mul_(-1) under no_grad
     "copy",             # param.copy_(new) under no_grad

@@ -1,8 +1,8 @@
-"""The packed gate/up bank and the layer's weight cache (SPEC section 5).
+"""The packed gate/up bank and the layer's weight cache (CONTRACT section 5).
 
 Layout: one bank ``[H*E, Dh, 2I]`` per layer, gate in columns ``[0, I)`` and up in ``[I, 2I)``,
 so both halves are ``[H*E, Dh, I]`` views with row stride ``2I`` (a layout equivalent to the
-``[H*E, 2I, Dh]`` bank of SPEC section 4, transposed per expert): the fused kernel reads them
+``[H*E, 2I, Dh]`` bank of CONTRACT section 4, transposed per expert): the fused kernel reads them
 through their strides.
 
 The cache *adopts* the layer's weights instead of copying them: packing copies ``W_gate`` and

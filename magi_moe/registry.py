@@ -7,7 +7,7 @@ An implementation computes the expert part of the layer on given routes:
 ``x`` ``[S, H*Dh]``, ``table`` a :class:`~magi_moe.routing.RouteTable`, ``weights`` an
 :class:`~magi_moe.weights.ExpertWeights`, ``out`` a caller-allocated ``[S, H*Dh]`` tensor of
 ``impl.output_dtype(x.dtype)`` that the harness poisons with NaN; every element must be written.
-Routing is tested on its own (SPEC section 1: one flipped expert changes a whole row).
+Routing is tested on its own (CONTRACT section 1: one flipped expert changes a whole row).
 
 What an implementation declares (its backends, dtypes, precision model and capabilities) is what
 the suite holds it to; tests skip, with the reason, whatever it does not declare.
@@ -32,7 +32,7 @@ PrecisionModel = Literal["float64", "bf16-fp32acc", "bf16-fp32acc-atomic", "bf16
 CAPABILITIES = frozenset({
     "deterministic",    # bitwise identical output run after run on the same device
     "int64_offsets",    # safe when token * row_stride passes 2^31
-    "weight_cache",     # keeps a packed copy of the weights (cache rules of SPEC section 5)
+    "weight_cache",     # keeps a packed copy of the weights (cache rules of CONTRACT section 5)
     "no_host_sync",     # no device->host synchronisation once warm
 })
 PRECISION_MODELS = ("float64", "bf16-fp32acc", "bf16-fp32acc-atomic", "bf16-plain")
@@ -43,7 +43,7 @@ class Implementation:
     """One implementation of the expert computation and what it promises.
 
     ``precision``: ``float64`` (the oracle), ``bf16-fp32acc`` (the fast paths' precision points
-    of SPEC section 1: bf16 operands, fp32 accumulation, one bf16 rounding of the SwiGLU7
+    of CONTRACT section 1: bf16 operands, fp32 accumulation, one bf16 rounding of the SwiGLU7
     output, fp32 routing weight and top-k sum, one final rounding), ``bf16-fp32acc-atomic``
     (the same with the top-k sum done by fp32 atomics, which flush subnormals to zero on NVIDIA
     GPUs) or ``bf16-plain`` (the plain PyTorch baseline that rounds every matmul result).

@@ -6,7 +6,7 @@ costs one start-up. The children write each rank's output; the parent is the jud
 computes the single-process output itself with :class:`magi_moe.layer.MagiMoE`.
 
 Exactness: on the CPU every implementation runs serially (the Triton interpreter runs programs
-one after another, SPEC section 8), so EP must match bit for bit. On GPUs it must match bit
+one after another, CONTRACT section 8), so EP must match bit for bit. On GPUs it must match bit
 for bit for implementations declaring ``deterministic``, within one bf16 rounding otherwise.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class EPCase:
 
 
 def make_checkpoint(config: MoEConfig, seed: int) -> dict[str, torch.Tensor]:
-    """A full released-layout checkpoint (SPEC 3) drawn from ``seed``; two distinct biases."""
+    """A full released-layout checkpoint (CONTRACT 3) drawn from ``seed``; two distinct biases."""
     gen = torch.Generator().manual_seed(seed)
     w = random_weights(config, generator=gen)
     HE = config.num_banks

@@ -40,7 +40,7 @@ The kernels read ``w_gate``/``w_up`` through their strides (unit stride in the l
 packed bank of :mod:`magi_moe.packed_weights` (``[H*E, Dh, 2I]``, gate in columns ``[0, I)``,
 up in ``[I, 2I)``) and plain contiguous tensors both work without a copy.
 
-Interpreter (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (SPEC 8), so
+Interpreter (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (CONTRACT 8), so
 ``UPCAST`` converts operands to fp32 before each dot (bf16 x bf16 products are exact in fp32)
 and uses "ieee" dots; its fp32 -> bf16 cast truncates, so the two roundings are done by bit
 arithmetic there (``rounding.round_to``).
