@@ -1,4 +1,4 @@
-"""Proven error bounds for the expert computation, per output element (SPEC section 1).
+"""Proven error bounds for the expert computation, per output element (CONTRACT section 1).
 
 For one route ``r`` (token ``s``, head ``h``, bank ``f``, routing weight ``p``) and output
 column ``j < Dh``, with every input taken as its exact (bf16-valued) number:

@@ -1,4 +1,4 @@
-"""Weight-cache auditor (SPEC section 5): after every way a user changes weights, the next
+"""Weight-cache auditor (CONTRACT section 5): after every way a user changes weights, the next
 forward must use the new weights; without a change, nothing is repacked.
 
 It audits *any* layer an implementation builds (:meth:`~magi_moe.implementation.Implementation.

@@ -1,4 +1,4 @@
-"""Determinism auditor (SPEC section 6): same input, same device, N runs, bitwise comparison.
+"""Determinism auditor (CONTRACT section 6): same input, same device, N runs, bitwise comparison.
 
 Every run writes into a fresh NaN-poisoned output; elements whose bits differ from run 1 in any
 run are counted. On CUDA a :class:`BackgroundLoad` keeps other work on the device (bf16 matmuls

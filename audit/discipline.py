@@ -1,4 +1,4 @@
-"""Discipline auditor (CUDA): what a warm forward may not do (SPEC section 4).
+"""Discipline auditor (CUDA): what a warm forward may not do (CONTRACT section 4).
 
 * No host synchronisation: one warm forward runs under
   ``torch.cuda.set_sync_debug_mode("error")``, which raises on ``.item()``, ``.tolist()``,

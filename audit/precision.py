@@ -1,4 +1,4 @@
-"""Floating-point formats and the precision models of SPEC section 1, as data.
+"""Floating-point formats and the precision models of CONTRACT section 1, as data.
 
 A :class:`PrecisionModel` says where an implementation rounds and in which format it
 accumulates; :mod:`audit.bounds` turns it into per-element error bounds. The registry's
@@ -71,7 +71,7 @@ def format_of(dtype: torch.dtype) -> FloatFormat:
 
 @dataclass(frozen=True)
 class PrecisionModel:
-    """Where an implementation of the expert computation rounds (SPEC section 1).
+    """Where an implementation of the expert computation rounds (CONTRACT section 1).
 
     ``accumulate`` / ``accumulate_unit``: format and unit roundoff of the sums over ``Dh``
     (gate/up), over ``I`` (down) and over the top-k routes.

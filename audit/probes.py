@@ -6,7 +6,7 @@ makes one precision point matter, so that a real loss there lands far above the 
 bound while a correct implementation stays under it (the bounds are a-priori in the input
 magnitudes, so they hold for any input):
 
-* ``random``: ANCHORS.md's distribution (x N(0,1), weights N(0, 0.02^2)).
+* ``random``: docs/ANCHORS.md's distribution (x N(0,1), weights N(0, 0.02^2)).
 * ``cancel-up``: a constant feature drives ``u`` to about -1, so ``v = clamp(u) + 1`` is small:
   rounding ``u`` to bf16 (ulp 2^-8 near 1) before SwiGLU7 costs a large relative error in
   ``v``, while fp32 ``u`` keeps it accurate.
@@ -27,7 +27,7 @@ from magi_moe.routing import build_route_table, route
 from magi_moe.weights import ExpertWeights
 
 PROBE_DESCRIPTIONS = {
-    "random": "x N(0,1), weights N(0, 0.02^2) (ANCHORS.md)",
+    "random": "x N(0,1), weights N(0, 0.02^2) (docs/ANCHORS.md)",
     "cancel-up": "u ~ -1: SwiGLU7's (u + 1) cancels; exposes rounding g,u before SwiGLU7",
     "swamp": "+-8 gate/up weights on constant features; exposes bf16 gate/up accumulation",
     "clamp": "g, u spread across the +-7 clamp (weights std 2.5/sqrt(Dh))",

@@ -6,7 +6,7 @@ float64 PyTorch:
 * bf16 ``tl.dot`` with the kernels' upcast policy (operands upcast to fp32 under the
   interpreter, ``magi_moe.kernels.native``): within fp32 accumulation's gamma_K bound;
 * raw bf16 ``tl.dot``: on a GPU it must be right (the compiled kernels use it); under the
-  interpreter SPEC section 8 says it is wrong -- reported, not failed, so a Triton release that
+  interpreter CONTRACT section 8 says it is wrong -- reported, not failed, so a Triton release that
   fixes (or a GPU build that breaks) it shows up here;
 * bf16 loads/stores: masked copy and upcast bit-exact;
 * fp32 -> bf16 conversion: to nearest even on a GPU (bitwise equal to ``Tensor.to``). Triton
@@ -66,11 +66,11 @@ def _dot_checks(kernels, device, gen) -> list[SelfCheck]:
             status = "pass"
         elif interpret and not upcast:
             status = "info"
-            detail += ": wrong under the interpreter, as SPEC section 8 says; the kernels upcast"
+            detail += ": wrong under the interpreter, as CONTRACT section 8 says; the kernels upcast"
         else:
             status = "FAIL"
         if interpret and not upcast and ok:
-            status, detail = "info", detail + ": now correct under the interpreter (SPEC 8 outdated?)"
+            status, detail = "info", detail + ": now correct under the interpreter (CONTRACT 8 outdated?)"
         results.append(SelfCheck(label + (" (upcast)" if upcast else ""), status, detail))
     return results
 

@@ -55,8 +55,9 @@ def replay_main(argv: list[str]) -> int:
 
 
 def list_main(argv: list[str]) -> int:
-    argparse.ArgumentParser(prog="python -m fuzz list",
-                            description="The properties a campaign can run (--properties).").parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m fuzz list",
+                                     description="The properties a campaign can run (--properties).")
+    parser.parse_args(argv)
     from magi_moe.text_tables import format_table
 
     from .properties import PROPERTIES

@@ -35,9 +35,9 @@ __all__ = [
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
-# How the routes of an ExpertCase are made (SPEC section 7's skew and empty-expert classes).
+# How the routes of an ExpertCase are made (CONTRACT section 7's skew and empty-expert classes).
 ROUTING_KINDS = (
-    "router",        # the fp32 router on random gate/bias (as ANCHORS.md draws them)
+    "router",        # the fp32 router on random gate/bias (as docs/ANCHORS.md draws them)
     "uniform",       # K distinct experts uniformly at random
     "hot",           # every token prefers the same `hot` experts (hot=1: all tokens to one expert)
     "concentrated",  # only `hot` (>= K) experts per head are used: most experts empty

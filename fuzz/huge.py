@@ -1,4 +1,4 @@
-"""int64 offsets: token indices past ``2^31 / row stride`` without 4 GB of real data (SPEC 7, 8).
+"""int64 offsets: token indices past ``2^31 / row stride`` without 4 GB of real data (CONTRACT 7, 8).
 
 The input is a lazily allocated ``torch.empty(S, H*Dh)`` on the CPU whose untouched pages cost
 nothing; only the routed rows are written. The route table is built by hand around those few

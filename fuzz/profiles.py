@@ -1,6 +1,6 @@
 """Hypothesis profiles for the fuzzers (``--hypothesis-profile ci|dev|nightly``; ``ci`` by default).
 
-SPEC section 9: Hypothesis' built-in ``ci`` profile is only loaded when ``CI`` is set, and tox
+CONTRACT section 9: Hypothesis' built-in ``ci`` profile is only loaded when ``CI`` is set, and tox
 drops that variable. So the test suite loads one itself (:func:`load_default_profile`, from
 ``tests/conftest.py``): ``--hypothesis-profile NAME`` first, else ``$HYPOTHESIS_PROFILE``, else
 ``ci``, so that no run meets Hypothesis' own 200 ms deadline on an interpreted kernel call.

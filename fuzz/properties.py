@@ -409,7 +409,7 @@ def _brute_force_ranking(values: list[float], top_k: int) -> list[int]:
 
 def _near_tie(a: float, b: float) -> bool:
     """Closer than fp32 rounding of the router's arithmetic (a few ulps): a near-tie, reported,
-    not a failure (SPEC section 1)."""
+    not a failure (CONTRACT section 1)."""
     if math.isnan(a) or math.isnan(b) or math.isinf(a) or math.isinf(b):
         return False
     return abs(a - b) <= 16 * unit_roundoff(torch.float32) * max(abs(a), abs(b), 2.0**-10)

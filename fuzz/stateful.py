@@ -1,5 +1,5 @@
 """Weight-version swaps: a state machine that interleaves forward passes with every way of
-changing weights listed in SPEC section 5, on any layer an implementation builds.
+changing weights listed in CONTRACT section 5, on any layer an implementation builds.
 
 The layer is ``impl.layer(config, state_dict, device)`` (or a factory with that signature),
 built from a released-layout state dict the machine draws; it is driven through its own
@@ -58,7 +58,7 @@ from .tolerance import differential_report
 __all__ = ["AUDIT_ROUTES", "CHANGES", "EXPERT_PARAMS", "NEEDS_INVALIDATE", "ROUTER_TENSORS",
            "LayerFactory", "layer_factory_for", "weight_swap_machine"]
 
-# The change routes of SPEC section 5, by the names the machine's rules use.
+# The change routes of CONTRACT section 5, by the names the machine's rules use.
 CHANGES = (
     "inplace",          # param.mul_(-1) under no_grad
     "copy",             # param.copy_(new) under no_grad

@@ -1,6 +1,6 @@
 """``python -m magi_moe.benchmark``: the expert paths timed side by side, with their floors.
 
-For every case (heads x tokens; the four cases of ANCHORS.md with ``--anchors``) this draws a
+For every case (heads x tokens; the four cases of docs/ANCHORS.md with ``--anchors``) this draws a
 problem as :func:`magi_moe.problems.random_problem` does (x N(0,1), router N(0, 0.25^2),
 selection bias N(0, 0.05^2), weights N(0, 0.02^2); drawn on the device so that 12 x 256 experts
 take milliseconds), checks every path against the float64 reference on the same routes, and
@@ -10,7 +10,7 @@ only then times them:
   ``--flush-mib`` (>= 256 MiB; the H200's L2 is 60 MB); paths alternated inside every iteration
   (the order rotating), so clock drift and thermal state hit them alike;
 * median and p90 over ``--iters`` per round, the best round's median reported;
-* bytes and FLOPs with ANCHORS.md's floors: memory = weights of the experts that received a
+* bytes and FLOPs with docs/ANCHORS.md's floors: memory = weights of the experts that received a
   route + x + y over 4281 GB/s; compute = routes * (2*Dh*I*2 + 2*I*Dh) over 793 TFLOP/s.
 
 Paths: ``native``, ``native-det`` (the native kernel, atomic / deterministic), ``fused`` (kernel
@@ -47,8 +47,8 @@ from .routing import build_route_table, route
 from .text_tables import format_table as text_table
 from .weights import ExpertWeights
 
-COPY_GBPS = 4281.0      # ANCHORS.md: device-to-device copy on the H200, bytes read + written
-MATMUL_TFLOPS = 793.0   # ANCHORS.md: 8192^3 bf16 matmul on the H200
+COPY_GBPS = 4281.0      # docs/ANCHORS.md: device-to-device copy on the H200, bytes read + written
+MATMUL_TFLOPS = 793.0   # docs/ANCHORS.md: 8192^3 bf16 matmul on the H200
 ANCHOR_CASES = ((3, 512), (3, 4096), (3, 16384), (12, 4096))
 EXPERT_PATHS = ("native", "native-det", "fused", "torch-bf16")
 LAYER_PATHS = ("fused-layer", "native-layer")
@@ -99,7 +99,7 @@ def draw_problem(case: BenchCase, device: torch.device) -> Problem:
 
 
 def floors(problem: Problem) -> dict:
-    """ANCHORS.md's floors for this problem (synchronises: call before timing)."""
+    """docs/ANCHORS.md's floors for this problem (synchronises: call before timing)."""
     cfg = problem.config
     counts = problem.table.counts()
     routed_banks = int((counts > 0).sum())
@@ -671,7 +671,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, nargs="+", default=[3],
                     help="MoE heads per case; crossed with --tokens (default 3, one EP4-local rank)")
     ap.add_argument("--anchors", action="store_true",
-                    help="the four cases of ANCHORS.md instead of --heads x --tokens")
+                    help="the four cases of docs/ANCHORS.md instead of --heads x --tokens")
     ap.add_argument("--experts", type=int, default=256, help="experts per head (default 256)")
     ap.add_argument("--top-k", type=int, default=6, help="experts chosen per token and head (default 6)")
     ap.add_argument("--head-dim", type=int, default=256, help="head width Dh (default 256)")

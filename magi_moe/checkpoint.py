@@ -9,7 +9,7 @@ import torch
 
 from .validation import check_finite, check_tensor
 
-# Router rows (SPEC section 3): one NaN or inf here makes every output NaN (softmax mixes the
+# Router rows (CONTRACT section 3): one NaN or inf here makes every output NaN (softmax mixes the
 # whole head) or silently mis-routes, so they are read once, at load time.
 ROUTER_KEYS = ("gate", "router.expert_bias", "router.expert_bias_ema")
 

@@ -22,7 +22,7 @@ MAX_TENSOR_BYTES = 2**63 - 1
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Shape and routing options of one MAGI-2 head-routed MoE layer (SPEC section 1).
+    """Shape and routing options of one MAGI-2 head-routed MoE layer (CONTRACT section 1).
 
     ``num_experts`` counts experts *per head*; the layer owns ``num_heads * num_experts`` banks.
     """
@@ -111,7 +111,7 @@ _MAGI2 = dict(
 PRESETS: dict[str, MoEConfig] = {
     # Released MAGI-2 Preview layer: hidden 3072.
     "magi2-full": MoEConfig(num_heads=12, **_MAGI2),
-    # One rank of the released EP8 deployment keeps 3 heads ("EP4-local" in ANCHORS.md).
+    # One rank of the released EP8 deployment keeps 3 heads ("EP4-local" in docs/ANCHORS.md).
     "magi2-ep4-local": MoEConfig(num_heads=3, **_MAGI2),
     # Small shapes for fast tests; "tiny" runs under the Triton interpreter in well under a second.
     "tiny": MoEConfig(num_heads=2, head_dim=32, num_experts=8, top_k=2, intermediate_size=64,

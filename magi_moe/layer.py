@@ -57,7 +57,7 @@ class Router(nn.Module):
 class MagiMoE(nn.Module):
     """``y = MoE(x)`` for ``x`` ``[S, H*Dh]``.
 
-    Parameters (SPEC section 3): ``gate [H*E, Dh]`` fp32, ``W_gate``/``W_up`` ``[H*E, Dh, I]``,
+    Parameters (CONTRACT section 3): ``gate [H*E, Dh]`` fp32, ``W_gate``/``W_up`` ``[H*E, Dh, I]``,
     ``W_down [H*E, I, Dh]`` in ``config.dtype``; buffers ``router.expert_bias`` and
     ``router.expert_bias_ema`` ``[H*E]`` fp32. ``bias_source`` picks the selection bias:
     ``expert_bias_ema`` (vLLM-Omni's default), ``expert_bias`` (SandAI's original) or ``none``.
@@ -114,7 +114,7 @@ class MagiMoE(nn.Module):
             self.weight_cache.ensure(self.W_gate, self.W_up)
 
     # Module-wide casts (``.to(torch.bfloat16)``, ``.half()``, ``.float()``) are how serving
-    # stacks load a model; the router must come through them in fp32 and unrounded (SPEC
+    # stacks load a model; the router must come through them in fp32 and unrounded (CONTRACT
     # section 3), or selection scores lose precision and the fused router rejects the gate (the
     # GPU fuzz campaign's weight-swap machine found that). Device moves apply as usual.
     # The expert weights take the cast, and the config follows them: after ``layer.half()`` the
@@ -174,7 +174,7 @@ class MagiMoE(nn.Module):
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], config: MoEConfig,
                         **kwargs) -> "MagiMoE":
-        """Build a layer from a released-layout checkpoint dict (names and shapes of SPEC 3).
+        """Build a layer from a released-layout checkpoint dict (names and shapes of CONTRACT 3).
 
         Missing or unexpected keys, wrong shapes and non-finite router weights raise ValueError."""
         layer = cls(config, device="meta", **kwargs)

@@ -1,7 +1,7 @@
-"""The packed gate/up bank and the layer's weight cache (SPEC section 5).
+"""The packed gate/up bank and the layer's weight cache (CONTRACT section 5).
 
 Layout: the bank is two dense ``[H*E, Dh, I]`` buffers, gate and up, each its own allocation
-(SPEC section 4 describes one ``[H*E, 2I, Dh]`` allocation; the fused kernel reads gate and up
+(CONTRACT section 4 describes one ``[H*E, 2I, Dh]`` allocation; the fused kernel reads gate and up
 through separate pointers and descriptors, so one allocation bought nothing, while views of one
 allocation broke checkpoint writers: safetensors refuses tensors that share or only partly
 cover a storage). With two dense buffers the layer's ``state_dict()`` saves with safetensors as

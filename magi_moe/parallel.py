@@ -1,4 +1,4 @@
-"""Expert parallelism over heads on ``torch.distributed`` (SPEC sections 1 and 3).
+"""Expert parallelism over heads on ``torch.distributed`` (CONTRACT sections 1 and 3).
 
 Routing and experts are per head, so the natural split is by head: each rank of an EP group
 holds a contiguous slice of heads (router rows, selection biases and the experts of those
@@ -45,7 +45,7 @@ from .routing import RouteTable, build_route_table, route
 from .validation import check_finite, check_tensor
 from .weights import ExpertWeights
 
-# Released-layout checkpoint names (SPEC section 3); all have the banks ``H*E`` as dim 0.
+# Released-layout checkpoint names (CONTRACT section 3); all have the banks ``H*E`` as dim 0.
 CHECKPOINT_KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
 BIAS_SOURCES = ("expert_bias_ema", "expert_bias", "none")
 
@@ -100,7 +100,7 @@ def shard_state_dict(state_dict: Mapping[str, torch.Tensor], config: MoEConfig, 
                      *, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
     """This rank's rows of a full released-layout checkpoint, in the padded local layout.
 
-    Every tensor keeps its SPEC-3 name and gets ``L*E`` rows. Without padding and without a
+    Every tensor keeps its CONTRACT-3 name and gets ``L*E`` rows. Without padding and without a
     device move, each entry is a view into ``state_dict`` (``narrow`` along the bank dim): no
     copy at all. With padding, only this rank's slice is copied, next to zero rows. With
     ``device``, only the slice travels.

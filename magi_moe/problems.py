@@ -13,7 +13,7 @@ from .weights import ExpertWeights, random_weights
 
 @dataclass(frozen=True)
 class Problem:
-    """One layer input with its routing, as ANCHORS.md draws it: x N(0,1), router N(0, 1/16),
+    """One layer input with its routing, as docs/ANCHORS.md draws it: x N(0,1), router N(0, 1/16),
     selection bias N(0, bias_std^2), weights N(0, weight_std^2), all values rounded to ``dtype``."""
 
     config: MoEConfig

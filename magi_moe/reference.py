@@ -7,7 +7,7 @@ intermediate rounding, output in float64.
 result to bf16 (fp32 accumulation inside), SwiGLU7 in fp32 rounded once to bf16, the routing
 weight applied in fp32 and rounded per route, the top-k sum in fp32 with one final rounding.
 
-``precision="fp32acc"`` emulates the fast paths' precision points exactly (SPEC section 1):
+``precision="fp32acc"`` emulates the fast paths' precision points exactly (CONTRACT section 1):
 operands in the input dtype, products and sums in fp32 (bf16 x bf16 products are exact in
 fp32), SwiGLU7 in fp32 rounded once to the input dtype, the routing weight and top-k sum in
 fp32, one final rounding. Kernels differ from it only in fp32 summation order.

@@ -1,4 +1,4 @@
-"""Routing (SPEC section 1 steps 1-5) and the CSR route table (SPEC section 2).
+"""Routing (CONTRACT section 1 steps 1-5) and the CSR route table (CONTRACT section 2).
 
 Tie rule: among equal selection scores the lower expert index wins and comes first. It is
 implemented with a *stable* descending sort, which every torch device implements

@@ -1,4 +1,4 @@
-"""The expert weights as the kernels take them (SPEC section 3 layout)."""
+"""The expert weights as the kernels take them (CONTRACT section 3 layout)."""
 from __future__ import annotations
 
 from typing import NamedTuple

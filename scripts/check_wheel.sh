@@ -6,7 +6,10 @@ set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 -m pip wheel -q --no-deps -w "$work/dist" "$repo"
+# built from a copy of the tracked (and new, unignored) files: no stale build/ leaks in
+mkdir "$work/src"
+(cd "$repo" && git ls-files -co --exclude-standard -z | xargs -0 tar cf - 2>/dev/null) | tar xf - -C "$work/src"
+python3 -m pip wheel -q --no-deps -w "$work/dist" "$work/src"
 wheel=$(ls "$work"/dist/magi_moe-*.whl)
 echo "+ built $(basename "$wheel"): $(unzip -l "$wheel" | grep -c '\.py$') modules, tile tables: $(unzip -l "$wheel" | grep -c 'tiles/.*\.json')"
 unzip -l "$wheel" | grep -q 'magi_moe/kernels/tiles/fused.json' || { echo "the wheel lacks the tile tables" >&2; exit 1; }

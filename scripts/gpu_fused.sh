@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_fused.sh [all|sweep|bench]     (default: all)
 #
-# sweep: the tile sweep over the four ANCHORS.md cases (every candidate's output checked
+# sweep: the tile sweep over the four docs/ANCHORS.md cases (every candidate's output checked
 #        against a reference candidate), written to magi_moe/kernels/tiles/fused.json;
 #        SWEEP_ARGS replaces "--anchors" (e.g. "--tokens 16384 --merge-tiles": one class
 #        re-swept, the rest of the table kept), SWEEP_TIMEOUT its time limit (160 s);

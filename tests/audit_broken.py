@@ -115,10 +115,10 @@ class ToyWeightCache:
     """Keeps packed (copied) expert weights, following the cache protocol.
 
     ``key="identity"``: repack when any weight's ``(id, data_ptr, _version)`` changes -- the
-    key SPEC section 5 warns about (stale after ``param.data.copy_``; ``_version`` raises for
+    key CONTRACT section 5 warns about (stale after ``param.data.copy_``; ``_version`` raises for
     inference tensors). ``key="contents"``: repack when dtype, device or any value changed --
     correct for every route, at the cost of a full comparison per call. ``key="never"``:
-    repack on every call (fresh, but the per-call repack SPEC section 5 forbids)."""
+    repack on every call (fresh, but the per-call repack CONTRACT section 5 forbids)."""
 
     def __init__(self, key: str):
         if key not in ("identity", "contents", "never"):

@@ -1,4 +1,4 @@
-"""Deliberately broken variants: each one reproduces a failure class of SPEC section 7, and the
+"""Deliberately broken variants: each one reproduces a failure class of CONTRACT section 7, and the
 tests show that the fuzzer built for it catches it within the CI budget.
 
 * ``int32_offsets`` / :func:`launch_native_int32`: the native kernel with ``token * row_stride``
@@ -10,7 +10,7 @@ tests show that the fuzzer built for it catches it within the CI budget.
   masked: it reads the neighbouring route's token and probability and adds the empty expert's
   output there (MSLK #158, SGLang #25137).
 * :class:`VersionKeyedCache`: a packed-weight cache keyed on ``(id, data_ptr, _version)``, which
-  serves stale weights after ``param.data.copy_(...)`` (SPEC 5; vLLM #42821, SGLang #14158).
+  serves stale weights after ``param.data.copy_(...)`` (CONTRACT 5; vLLM #42821, SGLang #14158).
   :class:`SnapshotCache` is the correct toy cache the same machine must pass.
 
 ``segfault_from_three_tokens`` is no bug class of its own: it kills its process, to show that a
@@ -192,7 +192,7 @@ class _ToyCache:
 
 
 class VersionKeyedCache(_ToyCache):
-    """BROKEN on purpose: ``(id, data_ptr, _version)`` misses ``param.data.copy_`` (SPEC 5)."""
+    """BROKEN on purpose: ``(id, data_ptr, _version)`` misses ``param.data.copy_`` (CONTRACT 5)."""
 
     @staticmethod
     def _key(layer):
@@ -253,7 +253,7 @@ def snapshot_cache_layer(config: MoEConfig, state_dict, device=None) -> CachedTo
 
 
 
-# -- a case that kills its process (for the campaign runner's isolation, not a SPEC bug class) --
+# -- a case that kills its process (for the campaign runner's isolation, not a CONTRACT bug class) --
 def _segfault_from_three_tokens(x, table, weights, config, *, out):
     if x.shape[0] >= 3:
         import os

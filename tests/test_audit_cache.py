@@ -25,7 +25,7 @@ def test_stale_identity_key_is_caught():
     report = audit_weight_cache(stale_cache_layer, config=TINY, label="stale")
     assert report.has_cache and not report.ok
     by_route = report.by_route()
-    assert by_route["param_data_copy"] == NEEDS_INVALIDATE   # SPEC 5: key unchanged
+    assert by_route["param_data_copy"] == NEEDS_INVALIDATE   # CONTRACT 5: key unchanged
     assert by_route["inference_mode"] == UNSUPPORTED         # _version raises
     for route in ("in_place", "copy_no_grad", "load_state_dict", "load_assign",
                   "param_data_assign", "new_storage", "to_dtype"):

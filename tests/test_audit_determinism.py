@@ -69,7 +69,7 @@ def test_interpreted_deterministic_kernels(name):
 
 @pytest.mark.cuda
 def test_gpu_atomic_deterministic_mode_fails(cuda_device):
-    """ANCHORS.md: the atomic paths differ in ~4% of elements over 20 runs at H=3, S=4096."""
+    """docs/ANCHORS.md: the atomic paths differ in ~4% of elements over 20 runs at H=3, S=4096."""
     problem = probe_problem("random", preset("magi2-ep4-local"), 4096, seed=0, device=cuda_device)
     report = audit_determinism(ATOMIC_DETERMINISTIC, problem, runs=20)
     assert not report.ok, report.summary()

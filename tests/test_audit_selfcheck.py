@@ -32,7 +32,7 @@ def test_unknown_backend_is_rejected():
 def test_interpreter_selfcheck():
     status = _statuses("interpret")
     assert status["bf16 tl.dot, kernels' upcast policy (upcast)"] == "pass"
-    assert status["raw bf16 tl.dot"] == "info"      # SPEC section 8: garbage, reported
+    assert status["raw bf16 tl.dot"] == "info"      # CONTRACT section 8: garbage, reported
     assert status["bf16 load/store"] == "pass"
     assert status[DOWNCAST_CHECK] == "info"          # truncates under Triton 3.9's interpreter
     assert status[ROUNDING_CHECK] == "pass"          # the kernels' own rounding, subnormals too

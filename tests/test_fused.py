@@ -8,7 +8,7 @@
 * the fused router against the torch router: the same experts, the tie rule, NaN last, the
   same CSR table bit for bit;
 * the layer's fused path; on CUDA: no host synchronisation, no allocation once warm, the
-  ANCHORS.md accuracy target and bitwise repeatability at production size.
+  docs/ANCHORS.md accuracy target and bitwise repeatability at production size.
 """
 from __future__ import annotations
 
@@ -354,7 +354,7 @@ INT64_SCRIPT = textwrap.dedent("""
     from magi_moe.routing import RouteTable, Routes, build_route_table
     from magi_moe.weights import random_weights
 
-    # H*Dh = 3072: token * row_stride passes 2^31 from token 699,051 (SPEC section 7).
+    # H*Dh = 3072: token * row_stride passes 2^31 from token 699,051 (CONTRACT section 7).
     H, E, Dh = 12, 2, 256
     cfg = MoEConfig(num_heads=H, head_dim=Dh, num_experts=E, top_k=1, intermediate_size=32)
     device = torch.device("{device}")
@@ -552,7 +552,7 @@ def test_no_allocation_once_warm(cuda_only):
 
 
 def test_production_accuracy_and_bitwise_repeatability(cuda_only):
-    """ANCHORS.md: relative L2 <= 3.0e-3 at H=3, S=4096 (public best 2.88e-3); 20 runs of the
+    """docs/ANCHORS.md: relative L2 <= 3.0e-3 at H=3, S=4096 (public best 2.88e-3); 20 runs of the
     layer (routing included) bitwise identical."""
     from magi_moe.packed_weights import pack_expert_weights
 

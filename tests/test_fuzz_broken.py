@@ -73,7 +73,6 @@ def test_stale_weight_cache_is_caught_by_the_weight_swap_machine():
     assert "does not match the reference on the current weights" in text, text[:2000]
 
 
-@pytest.mark.slow  # the whole search runs to the end when nothing fails (about 35 s)
 def test_snapshot_cache_passes_the_same_search():
     machine = weight_swap_machine(broken.snapshot_cache_layer, config=preset("tiny"))
     run_state_machine_as_test(machine, settings=quick(12, stateful_step_count=20))

@@ -81,7 +81,7 @@ def test_production_widths_with_few_routed_tokens(impl_backend):
 @pytest.mark.parametrize("name,num_tokens", [("magi2-ep4-local", 4096), ("magi2-full", 4096)])
 def test_full_production_shape_on_gpu(impl_backend, name, num_tokens):
     if impl_backend.backend.name != "cuda":
-        pytest.skip("production shapes run on the GPU only (SPEC 8: the interpreter takes minutes)")
+        pytest.skip("production shapes run on the GPU only (CONTRACT 8: the interpreter takes minutes)")
     problem = random_problem(preset(name), num_tokens, seed=1, device="cuda")
     assert_matches_oracle(run_poisoned(impl_backend.impl, problem), problem, impl_backend.impl)
 

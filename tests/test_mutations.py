@@ -89,7 +89,7 @@ def run_child(path: pathlib.Path, device: str) -> subprocess.CompletedProcess:
 @pytest.mark.interpret
 @pytest.mark.parametrize("name,original,mutated", MUTANTS, ids=[m[0] for m in MUTANTS])
 def test_a_broken_native_kernel_is_caught(tmp_path, name, original, mutated):
-    """Run in a child process: a mutant may read wild memory and kill the interpreter (SPEC 8),
+    """Run in a child process: a mutant may read wild memory and kill the interpreter (CONTRACT 8),
     which counts as caught -- the suite would fail -- but must not take this process down."""
     backend = kernel_backend()
     child = run_child(write_mutant(tmp_path, name, original, mutated), backend.device)

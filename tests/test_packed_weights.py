@@ -1,4 +1,4 @@
-"""The packed-weight cache (SPEC section 5) and what ``magi_moe.packed_weights`` promises:
+"""The packed-weight cache (CONTRACT section 5) and what ``magi_moe.packed_weights`` promises:
 
 * the parameters become the bank's two dense buffers (no second copy of gate/up), which
   safetensors can save as they are;

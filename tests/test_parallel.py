@@ -6,7 +6,7 @@ costs one start-up. The children write each rank's output; the parent is the jud
 computes the single-process output itself with :class:`magi_moe.layer.MagiMoE`.
 
 Exactness: on the CPU every implementation runs serially (the Triton interpreter runs programs
-one after another, SPEC section 8), so EP must match bit for bit. On GPUs it must match bit
+one after another, CONTRACT section 8), so EP must match bit for bit. On GPUs it must match bit
 for bit for implementations declaring ``deterministic``, within one bf16 rounding otherwise.
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class EPCase:
 
 
 def make_checkpoint(config: MoEConfig, seed: int) -> dict[str, torch.Tensor]:
-    """A full released-layout checkpoint (SPEC 3) drawn from ``seed``; two distinct biases."""
+    """A full released-layout checkpoint (CONTRACT 3) drawn from ``seed``; two distinct biases."""
     gen = torch.Generator().manual_seed(seed)
     w = random_weights(config, generator=gen)
     HE = config.num_banks
@@ -275,7 +275,7 @@ def gloo_outputs(tmp_path_factory) -> str:
     pytest.param(c, marks=[pytest.mark.interpret, pytest.mark.skipif(
         not BACKENDS["interpret"].available, reason="TRITON_INTERPRET=1 not set")])
     for c in INTERPRET_CASES], ids=lambda c: c.name)
-@pytest.mark.slow  # four spawned processes (about 20 s)
+@pytest.mark.slow  # the fixture spawns four processes: 10-20 s
 def test_ep_on_gloo_equals_one_process_bitwise(case, gloo_outputs):
     _check_against_single_process(case, gloo_outputs, torch.device("cpu"), exact=True)
 

@@ -17,7 +17,7 @@ def mp_swiglu7(g, u):
 
 
 def mp_layer(problem):
-    """The layer's expert part from SPEC 1 step 6-7, one token at a time, in 50-digit arithmetic."""
+    """The layer's expert part from CONTRACT 1 step 6-7, one token at a time, in 50-digit arithmetic."""
     cfg, t = problem.config, problem.table
     H, E, Dh, I = cfg.num_heads, cfg.num_experts, cfg.head_dim, cfg.intermediate_size
     x = problem.x.double().tolist()

@@ -1,4 +1,4 @@
-"""Routing (SPEC 1 steps 1-5) and the CSR route table (SPEC 2)."""
+"""Routing (CONTRACT 1 steps 1-5) and the CSR route table (CONTRACT 2)."""
 import itertools
 
 import pytest

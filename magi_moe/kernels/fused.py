@@ -40,7 +40,7 @@ The kernels read ``w_gate``/``w_up`` through their strides (unit stride in the l
 packed bank of :mod:`magi_moe.packed_weights` (two dense ``[H*E, Dh, I]`` buffers), views with
 a larger row stride and plain contiguous tensors all work without a copy.
 
-Interpreter (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (SPEC 8), so
+Interpreter (``TRITON_INTERPRET=1``): ``tl.dot`` on bf16 operands is wrong there (CONTRACT 8), so
 ``UPCAST`` converts operands to fp32 before each dot (bf16 x bf16 products are exact in fp32)
 and uses "ieee" dots; its fp32 -> bf16 cast truncates, so the two roundings are done by bit
 arithmetic there (``rounding.round_to``).
@@ -117,7 +117,7 @@ def block_schedule_kernel(
     # Bank f owns slots blocks_end[f] - blocks[f] .. blocks_end[f] - 1; slot j of it starts
     # at route starts[f] + j * BLOCK_M, i.e. at base[f] + slot * BLOCK_M.
     base = starts - (blocks_end - blocks) * BLOCK_M
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     num_chunks = tl.cdiv(live_blocks, SLOTS)
     chunk = pid
     while chunk < num_chunks:
@@ -164,7 +164,7 @@ def gate_up_kernel(
     # Persistent: the grid is sized on the host, the work (live blocks x N tiles) on the device.
     num_n: tl.constexpr = INTER // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     item = tl.program_id(0)
     while item < work:
         block = item // num_n
@@ -227,7 +227,7 @@ def down_kernel(
 ):
     num_n: tl.constexpr = HEAD_DIM // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     item = tl.program_id(0)
     while item < work:
         block = item // num_n

@@ -148,7 +148,7 @@ def bank_prefix_kernel(
     f = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     f_mask = f < num_banks
     carry = tl.zeros((BLOCK_B,), dtype=tl.int32)
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     t0 = 0
     while t0 < num_blocks:
         t = t0 + tl.arange(0, BLOCK_TB)

@@ -86,7 +86,7 @@ def gate_up_tma_kernel(
 ):
     num_n: tl.constexpr = INTER // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     item = tl.program_id(0)
     while item < work:
         block = item // num_n
@@ -142,7 +142,7 @@ def down_tma_kernel(
 ):
     num_n: tl.constexpr = HEAD_DIM // BLOCK_N
     work = tl.load(block_count_ptr) * num_n
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     item = tl.program_id(0)
     while item < work:
         block = item // num_n
@@ -190,7 +190,7 @@ def expert_mlp_tma_kernel(
     ``BLOCK_N``-wide slice of the activation is rounded to ``ACT_DTYPE`` (the same precision
     point as the two-kernel path) and multiplied into the fp32 ``[BLOCK_M, Dh]`` output
     accumulator straight from registers, so the activation never goes to memory."""
-    # while, not range(): Triton 3.6's interpreter cannot take tensor bounds in range() (NOTES.md).
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     num_blocks = tl.load(block_count_ptr)
     block = tl.program_id(0)
     while block < num_blocks:

@@ -9,10 +9,10 @@ route table); experts with no routes get no program. Two variants share the kern
   sum over the top-k slots then reduces them. No atomics, so bitwise identical run after run.
 
 Both round once, from fp32 to the output dtype, at the end. Offsets into ``x``, the weights
-and the outputs are computed in int64 (SPEC section 7: ``token * row_stride`` passes 2^31
+and the outputs are computed in int64 (CONTRACT section 7: ``token * row_stride`` passes 2^31
 from token 699,051 at ``H*Dh = 3072``).
 
-Interpreter traps (SPEC section 8) handled here: ``tl.dot`` on bf16 operands is wrong under
+Interpreter traps (CONTRACT section 8) handled here: ``tl.dot`` on bf16 operands is wrong under
 the interpreter, so ``UPCAST`` converts operands to fp32 first (bf16*bf16 products are exact
 in fp32: only the summation order differs from the tensor cores); atomics are fp32 anyway; and
 the interpreter's fp32->bf16 conversion truncates, so the activation is rounded by

@@ -1,4 +1,4 @@
-"""Timing tests for pytest-benchmark: the four cases of ANCHORS.md on a GPU (fused, the fused
+"""Timing tests for pytest-benchmark: the four cases of docs/ANCHORS.md on a GPU (fused, the fused
 layer with routing, and the native kernel beside them), and small CPU cases so that CI runs the
 harness on every commit. ``python -m magi_moe.benchmark`` is the fuller tool (floors, p90,
 alternated paths); these tests exist to be saved and compared across commits.
