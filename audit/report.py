@@ -220,27 +220,36 @@ class Audit:
             else:
                 runnable.append(impl)
         for preset_name in o.resolved_presets():
-            config = preset(preset_name)
-            here = [i for i in runnable if config.dtype in i.dtypes]
+            # each implementation at the preset, or at the nearest widths its shape rule accepts
+            groups: dict = {}
             for impl in runnable:
-                if impl not in here:
-                    self.add("bounds", f"{impl.name} @ {preset_name}", SKIP,
-                             f"{impl.name} does not declare {config.dtype}")
-            if not here:
-                continue
-            models = {i.name: self.model_for(i, config.dtype) for i in here}
-            for probe in o.probes:
-                problem = probe_problem(probe, config, o.resolved_tokens(), seed=o.seed,
-                                        device=self.device)
-                if probe == "random":
-                    random_problems[preset_name] = problem
-                bounds = compute_error_bounds(problem.x, problem.table, problem.weights, config,
-                                              set(models.values()),
-                                              failure_probability=o.failure_probability)
-                base_out = run_poisoned(baseline, problem)
-                for impl in here:
-                    self._check_bounds(impl, problem, bounds[models[impl.name].name], base_out,
-                                       preset_name, probe)
+                config = impl.shapes.nearest(preset(preset_name))
+                why = impl.supports(config)
+                if why:
+                    self.add("bounds", f"{impl.name} @ {preset_name}", SKIP, f"unsupported: {why}")
+                    continue
+                groups.setdefault(config, []).append(impl)
+            for config, here in groups.items():
+                label = preset_name if config == preset(preset_name) else (
+                    f"{preset_name}(Dh={config.head_dim},I={config.intermediate_size})")
+                self._bounds_for(config, label, here, baseline, random_problems)
+        return random_problems
+
+    def _bounds_for(self, config, label, here, baseline, random_problems) -> None:
+        o = self.options
+        models = {i.name: self.model_for(i, config.dtype) for i in here}
+        for probe in o.probes:
+            problem = probe_problem(probe, config, o.resolved_tokens(), seed=o.seed,
+                                    device=self.device)
+            if probe == "random":
+                random_problems.setdefault(label.split("(")[0], problem)
+            bounds = compute_error_bounds(problem.x, problem.table, problem.weights, config,
+                                          set(models.values()),
+                                          failure_probability=o.failure_probability)
+            base_out = run_poisoned(baseline, problem)
+            for impl in here:
+                self._check_bounds(impl, problem, bounds[models[impl.name].name], base_out,
+                                   label, probe)
         return random_problems
 
     def _check_bounds(self, impl, problem, bounds, base_out, preset_name, probe) -> None:
@@ -314,11 +323,14 @@ class Audit:
             problem = probe_problem("random", preset("tiny"), 64, seed=o.seed)
             runs = o.determinism_runs or 3
         for impl in self.selected_impls():
-            why = self.runnable_here(impl)
+            config = impl.shapes.nearest(problem.config)  # inside the declared shapes
+            why = self.runnable_here(impl) or impl.supports(config)
             if why:
                 self.add("determinism", impl.name, SKIP, why)
                 continue
-            report = audit_determinism(impl, problem, runs=runs)
+            mine = problem if config == problem.config else probe_problem(
+                "random", config, problem.num_tokens, seed=o.seed, device=self.device)
+            report = audit_determinism(impl, mine, runs=runs)
             status = (PASS if report.ok else FAIL) if report.declared_deterministic else INFO
             self.add("determinism", impl.name, status,
                      f"{report.differing}/{report.elements} elements differ over {runs} runs "
@@ -380,6 +392,10 @@ class Audit:
         problem = self.main_problem(problems)
         for impl in self.selected_impls():
             if self.runnable_here(impl) or impl.precision == "float64":
+                continue
+            why = impl.supports(problem.config)
+            if why:
+                self.add("discipline", impl.name, SKIP, f"unsupported: {why}")
                 continue
             report = audit_discipline(impl, problem)
             status = (PASS if report.ok else FAIL) if report.declares_no_host_sync else INFO

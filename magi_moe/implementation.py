@@ -117,7 +117,26 @@ class ShapeRule:
         return list(range(first, high + 1, step))
 
 
+    def nearest(self, config: "MoEConfig") -> "MoEConfig":
+        """``config`` with its widths (and ``top_k``) moved to the nearest ones the rule accepts
+        at or above them: how a check built on a fixed preset stays inside the rule."""
+        if self.reason(config) is None:
+            return config
+        head_dims = self.head_dims(config.head_dim, 8192) or self.head_dims(16, 8192)
+        inters = self.intermediate_sizes(config.intermediate_size, 1 << 15)
+        if not head_dims or not inters:
+            return config  # nothing accepted nearby: the caller's supports() check reports it
+        top_k = min(config.top_k, self.max_top_k) if self.max_top_k else config.top_k
+        return config.replace(head_dim=head_dims[0], intermediate_size=inters[0], top_k=top_k)
+
+
 ANY_SHAPE = ShapeRule()
+
+
+class UnsupportedShape(ValueError):
+    """Raised by the harness (``magi_moe.problems.run_poisoned``) before calling an
+    implementation on a shape outside its declaration: "unsupported", never a failure. magi-moe's
+    pytest plugin turns it into a skip with the reason."""
 
 
 @dataclass(frozen=True)

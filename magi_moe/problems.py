@@ -61,8 +61,16 @@ def routes_to(expert_ids: torch.Tensor, config: MoEConfig, *, probs: torch.Tenso
 
 
 def run_poisoned(impl: Implementation, problem: Problem) -> torch.Tensor:
-    """Run ``impl`` into a NaN-filled output (and NaN-filled workspaces) so unwritten elements show."""
+    """Run ``impl`` into a NaN-filled output (and NaN-filled workspaces) so unwritten elements show.
+
+    A shape or dtype outside ``impl.supports`` raises :class:`~magi_moe.implementation.
+    UnsupportedShape` before the call (a skip under magi-moe's pytest plugin, not a failure)."""
     from .debug import poison_workspaces
+    from .implementation import UnsupportedShape
+
+    why = impl.supports(problem.config, problem.x.dtype)
+    if why:
+        raise UnsupportedShape(why)
 
     x = problem.x
     out = torch.full(x.shape, float("nan"), dtype=impl.output_dtype(x.dtype), device=x.device)
