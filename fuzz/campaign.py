@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--impl", action="append", default=[],
                    help="implementation under test (name or package.module:attr); repeatable; default: all")
     p.add_argument("--budget-seconds", type=float, default=600.0, help="time budget (default 600)")
+    p.add_argument("--allow-no-kernels", action="store_true",
+                   help="exit 0 even when only the oracle and the baseline ran (no kernel fuzzed)")
     p.add_argument("--seed", type=int, default=None, help="campaign seed (default: random, printed)")
     p.add_argument("--db", default=FUZZ_DATABASE,
                    help="example database (default: $FUZZ_DB, else .hypothesis/fuzz-db): a directory (one machine) or redis://host:port/N (shared by "
@@ -586,11 +588,30 @@ def campaign_main(argv: list[str]) -> int:
     if t["cases"] == 0 and not args.replay_only:
         print("[fuzz] error: no case ran (budget too small for this machine, or nothing selected)")
         return 2
+    if not args.replay_only and not args.impl and not args.allow_no_kernels and not _kernels_fuzzed(summary):
+        print("[fuzz] error: no implementation under test ran a case, only the float64 oracle and the "
+              "PyTorch baseline (the Triton kernels need --backend interpret, which sets "
+              "TRITON_INTERPRET=1, or a GPU); --allow-no-kernels accepts such a campaign")
+        return 2
     if args.replay_only:
         print(f"[fuzz] replayed the database: {t['cases']} saved cases, "
               f"{summary['replayed_from_database']['fixed']} failure records that pass now")
         return 0 if code in (0, 5) or stopped else 1
     return 0 if stopped or code in (0, 5) else 1
+
+
+def _kernels_fuzzed(summary: dict) -> bool:
+    """Did a target of an implementation under test (not the oracle or the baseline) run a case?
+    Targets are named ``...[impl@backend]``; router targets (tie rule) do not count."""
+    from magi_moe.impls import BASELINE, REFERENCE
+
+    for row in summary["targets"]:
+        label = row["target"].rsplit("[", 1)[-1].rstrip("]")
+        impl = label.split("@")[0]
+        if row["cases"] > 0 and "@" in label and "tie_rule" not in row["target"] \
+                and impl not in (REFERENCE.name, BASELINE.name):
+            return True
+    return False
 
 
 def _forget_fixed_nodes(db, findings: list[dict], summary: dict) -> None:

@@ -203,3 +203,17 @@ def test_every_target_gets_time_on_a_tiny_budget_and_the_order_rotates(tmp_path)
         assert "6 of 6 targets got time" in proc.stdout, proc.stdout[-3000:]
         runs.append([row["target"] for row in summary["targets"]])
     assert runs[1] == runs[0][1:] + runs[0][:1], runs
+
+
+def test_a_campaign_that_fuzzed_no_kernel_fails(tmp_path):
+    """On the cpu backend without --impl only the oracle and the baseline run: the campaign says
+    so and exits 2 instead of reporting a pass (--allow-no-kernels accepts it)."""
+    base = [sys.executable, "-m", "fuzz", "--backend", "cpu", "--properties", "zero_tokens",
+            "--budget-seconds", "1", "--workers", "0", "--seed", "3", "--db", str(tmp_path / "db")]
+    proc = subprocess.run(base + ["--out", str(tmp_path / "a")], cwd=REPO_ROOT, env=child_env("cpu"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout[-3000:]
+    assert "no implementation under test ran a case" in proc.stdout
+    allowed = subprocess.run(base + ["--out", str(tmp_path / "b"), "--allow-no-kernels"], cwd=REPO_ROOT,
+                             env=child_env("cpu"), capture_output=True, text=True, timeout=600)
+    assert allowed.returncode == 0, allowed.stdout[-3000:]
