@@ -57,6 +57,13 @@ ALL_PATHS = EXPERT_PATHS + LAYER_PATHS + ROUTING_PATHS
 DEFAULT_PATHS = ("native", "native-det", "fused", "fused-layer")
 
 
+# Routing draws (router weight std): "anchors" is docs/ANCHORS.md's (std 1/16, logits std 1:
+# 89-98% of experts routed, busiest 6-9x the mean), the one the public figures use;
+# "concentrated" (std 0.25, logits std 4) routes to about a third of the experts, as a
+# checkpoint whose router concentrates would: it reads a third of the weight bytes.
+DRAWS = {"anchors": 1.0 / 16, "concentrated": 0.25}
+
+
 @dataclass(frozen=True)
 class BenchCase:
     heads: int
@@ -66,6 +73,11 @@ class BenchCase:
     head_dim: int = 256
     inter: int = 1280
     seed: int = 0
+    draw: str = "anchors"
+
+    def __post_init__(self) -> None:
+        if self.draw not in DRAWS:
+            raise ValueError(f"BenchCase.draw must be one of {sorted(DRAWS)}, got {self.draw!r}")
 
     def config(self) -> MoEConfig:
         return preset("magi2-full").replace(num_heads=self.heads, num_experts=self.experts,
@@ -74,14 +86,17 @@ class BenchCase:
 
     @property
     def label(self) -> str:
-        return f"H={self.heads},S={self.tokens}"
+        suffix = "" if self.draw == "anchors" else f" ({self.draw})"
+        return f"H={self.heads},S={self.tokens}{suffix}"
 
 
 def draw_problem(case: BenchCase, device: torch.device) -> Problem:
-    """random_problem's distributions, drawn on ``device`` (CPU draws go through random_problem)."""
+    """x N(0,1), weights N(0, 0.02^2), bias N(0, 0.05^2), router weights N(0, std^2) with the
+    case's named draw (:data:`DRAWS`), drawn on ``device`` (CPU draws go through random_problem)."""
     cfg = case.config()
+    gate_std = DRAWS[case.draw]
     if device.type != "cuda":
-        return random_problem(cfg, case.tokens, seed=case.seed, device=device)
+        return random_problem(cfg, case.tokens, seed=case.seed, device=device, gate_std=gate_std)
     gen = torch.Generator(device=device).manual_seed(case.seed)
 
     def randn(*shape, std=1.0, dtype=torch.float32):
@@ -89,7 +104,7 @@ def draw_problem(case: BenchCase, device: torch.device) -> Problem:
 
     HE, Dh, I = cfg.num_banks, cfg.head_dim, cfg.intermediate_size
     x = randn(case.tokens, cfg.hidden_size, dtype=cfg.dtype)
-    gate = randn(HE, Dh, std=0.25)
+    gate = randn(HE, Dh, std=gate_std)
     bias = randn(HE, std=0.05)
     weights = ExpertWeights(randn(HE, Dh, I, std=0.02, dtype=cfg.dtype),
                             randn(HE, Dh, I, std=0.02, dtype=cfg.dtype),
@@ -111,8 +126,10 @@ def floors(problem: Problem) -> dict:
     flops = R * (2 * Dh * I * 2 + 2 * I * Dh)
     mem_ms = (weight_bytes + io_bytes) / (COPY_GBPS * 1e9) * 1e3
     compute_ms = flops / (MATMUL_TFLOPS * 1e12) * 1e3
+    busiest = int(counts.max()) if counts.numel() else 0
     return {"routes": R, "routed_banks": routed_banks, "banks": cfg.num_banks,
-            "max_routes_per_bank": int(counts.max()) if counts.numel() else 0,
+            "max_routes_per_bank": busiest,
+            "busiest_over_mean": busiest / (R / cfg.num_banks) if R else 0.0,
             "bytes": weight_bytes + io_bytes, "flops": flops,
             "memory_floor_ms": mem_ms, "compute_floor_ms": compute_ms,
             "floor_ms": max(mem_ms, compute_ms)}
@@ -622,12 +639,13 @@ def format_table(results: list[dict]) -> str:
         for i, (name, st) in enumerate(r["timings"].items()):
             err = r["parity"].get(name, {}).get("rel_l2")
             rows.append([r["label"] if i == 0 else "",
+                         f"{fl['routed_banks']}/{fl['banks']}, {fl['busiest_over_mean']:.1f}x" if i == 0 else "",
                          f"{fl['memory_floor_ms']:.3f}/{fl['compute_floor_ms']:.3f}" if i == 0 else "",
                          name, f"{st['median_ms']:.3f}", f"{st['p90_ms']:.3f}",
                          f"{st['x_floor']:.2f}" if st.get("x_floor") else "-",
                          f"{err:.2e}" if err is not None else "-"])
-    return text_table(["case", "floor ms (mem/comp)", "path", "median ms", "p90 ms", "x floor", "rel L2"],
-                      rows, numeric_columns=(3, 4, 5, 6))
+    return text_table(["case", "routed banks, busiest/mean", "floor ms (mem/comp)", "path", "median ms",
+                       "p90 ms", "x floor", "rel L2"], rows, numeric_columns=(4, 5, 6, 7))
 
 
 # The harness on the CPU: the Triton paths under the interpreter, at widths it finishes in seconds.
@@ -696,7 +714,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--breakdown", action="store_true",
                     help="time each launch of the fused path alone, per case")
     ap.add_argument("--json", metavar="PATH", help="write everything measured here as JSON")
+    ap.add_argument("--draw", default="anchors",
+                    help=f"routing draws, comma-separated, among {','.join(DRAWS)} (default anchors, "
+                         "docs/ANCHORS.md's; 'concentrated' routes to about a third of the experts)")
     args = ap.parse_args(argv)
+    args.draws = tuple(d for d in args.draw.split(",") if d)
+    if not args.draws or any(d not in DRAWS for d in args.draws):
+        ap.error(f"--draw must be among {','.join(DRAWS)}, got {args.draw!r}")
     args.paths = tuple(p for p in args.paths.split(",") if p)
     bad = [p for p in args.paths if p not in ALL_PATHS]
     if bad:
@@ -716,8 +740,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
     pairs = ANCHOR_CASES if args.anchors else [(h, s) for h in args.heads for s in args.tokens]
-    cases = [BenchCase(h, s, args.experts, args.top_k, args.head_dim, args.inter, args.seed)
-             for h, s in pairs]
+    cases = [BenchCase(h, s, args.experts, args.top_k, args.head_dim, args.inter, args.seed, draw)
+             for draw in args.draws for h, s in pairs]
     report: dict = {"environment": environment(device), "args": {k: v for k, v in vars(args).items()},
                     "ceilings": {"copy_gbps": COPY_GBPS, "matmul_tflops": MATMUL_TFLOPS}}
     if args.sweep:
