@@ -11,9 +11,10 @@ mkdir "$work/src"
 (cd "$repo" && git ls-files -co --exclude-standard -z | xargs -0 tar cf - 2>/dev/null) | tar xf - -C "$work/src"
 python3 -m pip wheel -q --no-deps -w "$work/dist" "$work/src"
 wheel=$(ls "$work"/dist/magi_moe-*.whl)
-echo "+ built $(basename "$wheel"): $(unzip -l "$wheel" | grep -c '\.py$') modules, tile tables: $(unzip -l "$wheel" | grep -c 'tiles/.*\.json')"
-unzip -l "$wheel" | grep -q 'magi_moe/kernels/tiles/fused.json' || { echo "the wheel lacks the tile tables" >&2; exit 1; }
-if unzip -l "$wheel" | grep -qE ' (audit|fuzz|tests)/'; then echo "the wheel installs a top-level audit/fuzz/tests" >&2; exit 1; fi
+unzip -Z1 "$wheel" > "$work/contents.txt"  # a file, not a pipe: grep -q would cut unzip off (pipefail)
+echo "+ built $(basename "$wheel"): $(grep -c '\.py$' "$work/contents.txt") modules"
+grep -qx 'magi_moe/kernels/tiles/fused.json' "$work/contents.txt" || { echo "the wheel lacks the tile tables" >&2; exit 1; }
+if grep -qE '^(audit|fuzz|tests)/' "$work/contents.txt"; then echo "the wheel installs a top-level audit/fuzz/tests" >&2; exit 1; fi
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q torch==2.13.0
 "$work/venv/bin/pip" install -q "$wheel[test]"
