@@ -639,7 +639,8 @@ def format_table(results: list[dict]) -> str:
         for i, (name, st) in enumerate(r["timings"].items()):
             err = r["parity"].get(name, {}).get("rel_l2")
             rows.append([r["label"] if i == 0 else "",
-                         f"{fl['routed_banks']}/{fl['banks']}, {fl['busiest_over_mean']:.1f}x" if i == 0 else "",
+                         (f"{fl['routed_banks']}/{fl['banks']}, {fl['busiest_over_mean']:.1f}x"
+                          if i == 0 and "busiest_over_mean" in fl else ""),
                          f"{fl['memory_floor_ms']:.3f}/{fl['compute_floor_ms']:.3f}" if i == 0 else "",
                          name, f"{st['median_ms']:.3f}", f"{st['p90_ms']:.3f}",
                          f"{st['x_floor']:.2f}" if st.get("x_floor") else "-",
