@@ -51,6 +51,7 @@ from magi_moe.config import MoEConfig
 from magi_moe.implementation import Implementation
 from magi_moe.reference import expert_reference
 from magi_moe.routing import build_route_table, route
+from magi_moe.audit.cache import reach_tensor
 from magi_moe.weights import ExpertWeights
 
 from .tolerance import differential_report
@@ -107,14 +108,6 @@ def note(text: str) -> None:
         _hypothesis_note(text)
 
 
-def _reach(layer: nn.Module, name: str) -> torch.Tensor | None:
-    """The layer's parameter or buffer named ``name``, or None when it has none by that name."""
-    for get in (layer.get_parameter, layer.get_buffer):
-        try:
-            return get(name)
-        except AttributeError:
-            continue
-    return None
 
 
 def _group(name: str) -> tuple[str, ...]:
@@ -255,7 +248,7 @@ def weight_swap_machine(layer, *, config: MoEConfig, device: str = "cpu", max_to
         def _tensors(self, name: str) -> list[torch.Tensor] | None:
             """The layer's own tensors a single-tensor change of ``name`` writes, or None (and a
             note) when the layer has no tensor by one of those names."""
-            found = [_reach(self.layer, n) for n in _group(name)]
+            found = [reach_tensor(self.layer, n) for n in _group(name)]
             if any(t is None for t in found):
                 note(f"{name}: not applicable (the layer has no parameter or buffer by that name)")
                 return None
