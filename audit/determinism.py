@@ -89,9 +89,27 @@ def audit_determinism(impl: Implementation, problem: Problem, *, runs: int = 20,
     """Run ``impl`` ``runs`` times on ``problem`` and count bitwise differences from run 1.
 
     ``background``: concurrent GPU work (default: on for CUDA, impossible elsewhere)."""
+    return _reruns(lambda: run_poisoned(impl, problem), problem.x.device, runs=runs,
+                   background=background, label=label or impl.name,
+                   declared=impl.deterministic)
+
+
+def audit_layer_determinism(layer: torch.nn.Module, x: torch.Tensor, *, runs: int = 20,
+                            declared: bool, background: bool | None = None,
+                            label: str = "") -> DeterminismReport:
+    """The same reruns on a whole layer's forward (an implementation's own ``layer``: its
+    routing, its cache and its kernels together)."""
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return layer(x).clone()
+    return _reruns(forward, x.device, runs=runs, background=background,
+                   label=label or type(layer).__name__, declared=declared)
+
+
+def _reruns(run, device: torch.device, *, runs: int, background: bool | None, label: str,
+            declared: bool) -> DeterminismReport:
     if runs < 2:
         raise ValueError(f"runs must be >= 2, got {runs}")
-    device = problem.x.device
     if background is None:
         background = device.type == "cuda"
     load = BackgroundLoad(device) if background else None
@@ -99,7 +117,7 @@ def audit_determinism(impl: Implementation, problem: Problem, *, runs: int = 20,
     def run_once() -> torch.Tensor:
         if load is not None:
             load.launch()
-        out = run_poisoned(impl, problem)
+        out = run()
         if load is not None:
             load.finish()
         return out
@@ -116,7 +134,6 @@ def audit_determinism(impl: Implementation, problem: Problem, *, runs: int = 20,
             differs |= diff
             spread = max(spread, float((out.double() - first.double()).abs().nan_to_num(float("inf")).max()))
     return DeterminismReport(
-        label=label or impl.name, device=str(device), runs=runs, elements=first.numel(),
+        label=label, device=str(device), runs=runs, elements=first.numel(),
         differing=int(differs.sum()), runs_differing=runs_differing, max_abs_spread=spread,
-        background=load.describe() if load is not None else "",
-        declared_deterministic=impl.deterministic)
+        background=load.describe() if load is not None else "", declared_deterministic=declared)

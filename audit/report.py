@@ -20,7 +20,7 @@ import torch
 from magi_moe.backends import Backend, get_backend
 from magi_moe.config import preset
 from magi_moe.layer import MagiMoE
-from magi_moe.problems import Problem, run_poisoned
+from magi_moe.problems import Problem, cancelling_problem, run_poisoned
 from magi_moe.implementation import Implementation
 from magi_moe.impls import BASELINE, REFERENCE
 from magi_moe.registry import get_implementation, implementations
@@ -30,7 +30,7 @@ from . import mpcheck
 from .bounds import (DEFAULT_FAILURE_PROBABILITY, BoundReport, compare_with_baseline,
                      compute_error_bounds, evaluate_bounds)
 from .cache import audit_weight_cache
-from .determinism import audit_determinism
+from .determinism import audit_determinism, audit_layer_determinism
 from .emulation import FP32ACC_EMULATION, negative_controls
 from .precision import precision_model
 from .probes import PROBE_DESCRIPTIONS, PROBES, probe_problem
@@ -331,12 +331,28 @@ class Audit:
             mine = problem if config == problem.config else probe_problem(
                 "random", config, problem.num_tokens, seed=o.seed, device=self.device)
             report = audit_determinism(impl, mine, runs=runs)
-            status = (PASS if report.ok else FAIL) if report.declared_deterministic else INFO
-            self.add("determinism", impl.name, status,
-                     f"{report.differing}/{report.elements} elements differ over {runs} runs "
-                     f"(max |diff| {report.max_abs_spread:.3g})"
-                     + ("" if report.declared_deterministic else "; not declared deterministic"),
-                     report.to_dict())
+            self._determinism_row(impl.name, report, runs)
+            cancelling = cancelling_problem(config, max(64, problem.num_tokens // 4), seed=o.seed,
+                                            device=self.device)
+            if impl.supports(cancelling.config) is None:  # where a changing sum order shows
+                report = audit_determinism(impl, cancelling, runs=runs,
+                                           label=f"{impl.name} (cancelling sums)")
+                self._determinism_row(report.label, report, runs)
+            if impl.deterministic:  # the implementation's own layer: routing, cache and kernels
+                from .cache import draw_state
+
+                layer = impl.layer(config, draw_state(config, o.seed, self.device), self.device)
+                report = audit_layer_determinism(layer, mine.x, runs=runs, declared=True,
+                                                 label=f"{impl.name}.layer()")
+                self._determinism_row(report.label, report, runs)
+
+    def _determinism_row(self, subject: str, report, runs: int) -> None:
+        status = (PASS if report.ok else FAIL) if report.declared_deterministic else INFO
+        self.add("determinism", subject, status,
+                 f"{report.differing}/{report.elements} elements differ over {runs} runs "
+                 f"(max |diff| {report.max_abs_spread:.3g})"
+                 + ("" if report.declared_deterministic else "; not declared deterministic"),
+                 report.to_dict())
 
     def section_cache(self) -> None:
         """The weight-cache audit (:mod:`audit.cache`) on each selected implementation's own

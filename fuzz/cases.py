@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from magi_moe.config import MoEConfig
-from magi_moe.problems import Problem, routes_to
+from magi_moe.problems import Problem, cancelling_problem, routes_to  # noqa: F401 (re-exported)
 from magi_moe.routing import RouteTable, Routes, build_route_table, route
 from magi_moe.weights import ExpertWeights
 
@@ -162,30 +162,6 @@ class TieCase:
         if self.num_tokens < 0 or self.levels < 1:
             raise ValueError(f"TieCase.num_tokens must be >= 0 and .levels >= 1, got "
                              f"{self.num_tokens}, {self.levels}")
-
-
-def cancelling_problem(config: MoEConfig, num_tokens: int, *, seed: int, device="cpu") -> Problem:
-    """A problem whose top-k sums cancel (CONTRACT section 7: summation-order non-determinism
-    shows in bf16 only where the sum is small against its terms). Every token routes, in every
-    head, to experts 0, 1, 2 (in a per-token order) with probability 1; the three share gate/up
-    weights and have down weights ``D``, ``-D`` and ``2^-20 D``, so the sum is ``2^-20 a`` while
-    ``a + 2^-20 a`` rounds in fp32 several bf16 ulps away: a kernel whose summation order varies changes most
-    of the bf16 outputs, a fixed-order kernel none."""
-    cfg = config.replace(num_experts=max(3, config.num_experts), top_k=3)
-    H, E, Dh, I = cfg.num_heads, cfg.num_experts, cfg.head_dim, cfg.intermediate_size
-    gen = torch.Generator().manual_seed(seed)
-    randn = lambda *shape, std=1.0: torch.randn(*shape, generator=gen) * std  # noqa: E731
-    w_gate, w_up, w_down = randn(H, E, Dh, I, std=0.1), randn(H, E, Dh, I, std=0.1), randn(H, E, I, Dh, std=0.1)
-    w_gate[:, 1:3], w_up[:, 1:3] = w_gate[:, :1], w_up[:, :1]
-    w_down[:, 1], w_down[:, 2] = -w_down[:, 0], w_down[:, 0] * 2.0**-20
-    orders = torch.stack([torch.randperm(3, generator=gen) for _ in range(num_tokens)])  # [S, 3]
-    ids = orders[:, None, :].expand(num_tokens, H, 3).contiguous()
-    routes = routes_to(ids, cfg, probs=torch.ones(num_tokens, H, 3))
-    weights = ExpertWeights(*(w.flatten(0, 1).to(cfg.dtype).to(device) for w in (w_gate, w_up, w_down)))
-    routes = Routes(routes.expert_ids.to(device), routes.probs.to(device))
-    x = randn(num_tokens, cfg.hidden_size).to(cfg.dtype).to(device)
-    gate = randn(H * E, Dh, std=0.25).to(device)
-    return Problem(cfg, x, gate, None, weights, routes, build_route_table(routes, cfg))
 
 
 INT32_LIMIT = 2**31

@@ -79,3 +79,18 @@ def test_the_audit_audits_inside_the_declared_shapes(tmp_path):
     rows = json.loads((tmp_path / "report.json").read_text())["rows"]
     bounds = [r for r in rows if r["section"] == "bounds" and r["status"] == "pass"]
     assert [r["subject"] for r in bounds] == ["outside-int32-wrap @ tiny(Dh=64,I=64)/random"]
+
+
+def test_the_audit_fails_a_wandering_sum_on_cancelling_sums(tmp_path):
+    """Random inputs hide a changing top-k order (0 of 4096 outputs differ); the audit's
+    cancelling-sums rerun shows it and fails the run."""
+    import json
+
+    from magi_moe.audit.__main__ import main
+
+    argv = ["--preset", "tiny", "--tokens", "24", "--probe", "random", "--no-mpcheck", "--no-controls",
+            "--impl", f"{MODULE}:WANDERING_SUM", "--out", str(tmp_path)]
+    assert main(argv) == 1
+    rows = {r["subject"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]
+            if r["section"] == "determinism"}
+    assert rows["outside-wandering-sum (cancelling sums)"]["status"] == "FAIL"
