@@ -17,9 +17,10 @@ pytestmark = pytest.mark.kernels_only
 
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "small-softmax"])
-def test_random_problems(impl_backend, name):
-    problem = random_problem(preset(name), 96, seed=hash(name) % 1000, device=impl_backend.device)
+@pytest.mark.parametrize("name, seed", [("tiny", 101), ("small", 102), ("small-softmax", 103)])
+def test_random_problems(impl_backend, name, seed):
+    # fixed seeds: hash(name) changed with PYTHONHASHSEED, so a failure could not be replayed
+    problem = random_problem(preset(name), 96, seed=seed, device=impl_backend.device)
     assert_matches_oracle(run_poisoned(impl_backend.impl, problem), problem, impl_backend.impl)
 
 
