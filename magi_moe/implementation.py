@@ -162,6 +162,18 @@ class RowLauncher:
         return self.writes == "route_rows"
 
 
+# The layer an implementation without its own gets: magi_moe.layer registers MagiMoE here when
+# it is imported (magi_moe/__init__ imports it), so this module imports no layer code.
+_DEFAULT_LAYER: Callable[..., "nn.Module"] | None = None
+
+
+def set_default_layer(factory: Callable[..., "nn.Module"]) -> None:
+    """``factory(impl, config, state_dict, device)``: the layer of implementations that declare
+    no ``layer_factory``."""
+    global _DEFAULT_LAYER
+    _DEFAULT_LAYER = factory
+
+
 def _check_callable(owner: str, name: str, value) -> None:
     if value is not None and not callable(value):
         raise ValueError(f"Implementation {owner!r}: {name} must be callable or None, "
@@ -274,9 +286,10 @@ class Implementation:
             state_dict = {k: v.to(device) for k, v in state_dict.items()}
         if self.layer_factory is not None:
             return self.layer_factory(config, state_dict, device)
-        from .layer import MagiMoE
-
-        return MagiMoE.from_state_dict(state_dict, config, impl=self)
+        if _DEFAULT_LAYER is None:
+            raise RuntimeError("no default layer registered (magi_moe.layer registers MagiMoE when "
+                               "magi_moe is imported)")
+        return _DEFAULT_LAYER(self, config, state_dict, device)
 
     def __call__(self, x: torch.Tensor, table, weights, config: "MoEConfig", *,
                  out: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,8 +10,8 @@ from .backends import interpreter_enabled, triton_installed
 from .checkpoint import check_state_dict
 from .config import PARAM_DTYPES, MoEConfig
 from .dispatch import choose_implementation
+from .implementation import Implementation, set_default_layer
 from .packed_weights import PackedWeightCache
-from .implementation import Implementation
 from .registry import get_implementation
 from .routing import build_route_table, route
 from .validation import check_bool, check_device, check_tensor
@@ -274,3 +274,11 @@ def _check_runs_here(impl: Implementation, x: torch.Tensor) -> None:
                 if device.type == "cpu" and "interpret" in impl.backends else "")
         raise ValueError(f"impl: {impl.name!r} runs on the backends {impl.backends}, not on "
                          f"device {device}{hint}")
+
+
+def _magi_moe_layer(impl: Implementation, config: MoEConfig, state_dict, device) -> MagiMoE:
+    """The default ``Implementation.layer``: magi-moe's module around the implementation."""
+    return MagiMoE.from_state_dict(state_dict, config, impl=impl)
+
+
+set_default_layer(_magi_moe_layer)
