@@ -35,12 +35,15 @@ import torch
 # the complex-dtype cast row: torch warns before the layer refuses the cast
 pytestmark = pytest.mark.filterwarnings("ignore:Complex modules:UserWarning")
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # the child process runs this file as a script
+try:  # where magi_moe imports from: the checkout's root, or site-packages for a wheel
+    ROOT = Path(__import__("magi_moe").__file__).resolve().parent.parent
+except ImportError:  # the child process runs this file as a script from a bare checkout
+    ROOT = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(ROOT))
 
 from magi_moe.backends import BACKENDS, interpreter_enabled  # noqa: E402
 from magi_moe.config import MoEConfig, preset  # noqa: E402
+from magi_moe.fuzz.properties import spec_for  # noqa: E402
 from magi_moe.layer import MagiMoE  # noqa: E402
 from magi_moe.problems import Problem, random_problem, relative_l2, routes_to  # noqa: E402
 from magi_moe.registry import get_implementation  # noqa: E402
@@ -265,7 +268,7 @@ def test_expert_call_rejects_bad_input(impl_backend, row: ExpertRow):
     if row.triton_only and not backend.runs_triton:
         pytest.skip("needs the fused router (a Triton backend)")
     if row.child:
-        outcome = child_outcome(impl_backend.impl.name, backend.name, row.id)
+        outcome = child_outcome(spec_for(impl_backend.impl), backend.name, row.id)
         assert outcome == "ok", f"{row.id} on {impl_backend}: {outcome}"
     else:
         run_expert_row(impl_backend.impl, impl_backend.device, row)
@@ -318,7 +321,9 @@ def child_outcome(impl_name: str, backend: str, row_id: str) -> str:
 
 
 def _run_child(args: list[str], env: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
-    env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
+    env = dict(os.environ if env is None else env)
+    # magi_moe's import root first; the caller's path kept (an outside implementation lives there)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], env=env,
                           capture_output=True, text=True, timeout=600)
     results = {}
