@@ -11,6 +11,7 @@ import torch
 
 from magi_moe.implementation import Implementation
 from magi_moe.inputs import check_expert_inputs
+from magi_moe.validation import check_out
 
 CHUNK_BYTES = 64 << 20  # fp32 weights gathered per batch of routes: bounds memory at wide shapes
 
@@ -22,6 +23,7 @@ def einsum_forward(x, table, weights, config, *, out):
     """
     # bad input gets an error naming the argument (the conformance suite's error-input table)
     check_expert_inputs(x, table, weights, config, dtypes=(torch.bfloat16, torch.float32))
+    check_out(out, x)
     H, E, K, Dh = config.num_heads, config.num_experts, config.top_k, config.head_dim
     bank = torch.repeat_interleave(torch.arange(H * E, device=x.device), table.counts())  # [R]
     rows = x.unflatten(1, (H, Dh))[table.gather_ids.long(), bank // E].float()  # [R, Dh]
