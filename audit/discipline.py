@@ -145,7 +145,7 @@ def audit_compile(make_layer: Callable[[], torch.nn.Module], *, num_tokens: int 
                   seed: int = 0, label: str = "", config=None) -> CompileReport:
     """Compile the layer ``make_layer()`` builds, run it, and check its output against the float64
     reference on the layer's weights (routing recomputed from its state dict)."""
-    from .graphs import fresh
+    from .cache import layer_output_ok
 
     layer = make_layer()
     label = label or type(layer).__name__
@@ -160,5 +160,5 @@ def audit_compile(make_layer: Callable[[], torch.nn.Module], *, num_tokens: int 
         y = compiled(x)  # the second call runs the cached graph
     except Exception as exc:  # noqa: BLE001 -- a compile failure is the finding
         return CompileReport(label, "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-    ok, how = fresh(cfg, layer, x, y)
+    ok, how = layer_output_ok(layer, x, y, config=cfg)
     return CompileReport(label, "pass" if ok else "FAIL", f"compiled output vs float64 reference: {how}")

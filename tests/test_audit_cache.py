@@ -6,7 +6,6 @@ Outside layers (their own modules and caches) are in tests/test_outside_layers.p
 from __future__ import annotations
 
 import pytest
-import torch
 
 from magi_moe.audit.cache import (DETECTED, NEEDS_INVALIDATE, NOT_MEASURED, ROUTES, SKIPPED, UNSUPPORTED,
                          audit_weight_cache)

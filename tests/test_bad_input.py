@@ -41,11 +41,11 @@ except ImportError:  # the child process runs this file as a script from a bare 
     ROOT = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(ROOT))
 
-from magi_moe.backends import BACKENDS, interpreter_enabled  # noqa: E402
+from magi_moe.backends import BACKENDS  # noqa: E402
 from magi_moe.config import MoEConfig, preset  # noqa: E402
 from magi_moe.fuzz.properties import spec_for  # noqa: E402
 from magi_moe.layer import MagiMoE  # noqa: E402
-from magi_moe.problems import Problem, random_problem, relative_l2, routes_to  # noqa: E402
+from magi_moe.problems import random_problem, relative_l2, routes_to  # noqa: E402
 from magi_moe.registry import get_implementation  # noqa: E402
 from magi_moe.routing import Routes, RouteTable, build_route_table  # noqa: E402
 from magi_moe.weights import ExpertWeights  # noqa: E402

@@ -20,6 +20,7 @@ from magi_moe.fuzz.stateful import weight_swap_machine
 from magi_moe.backends import triton_installed
 from magi_moe.config import preset
 from magi_moe.tests import fuzz_broken as broken
+from magi_moe.tests.exception_chains import chain_text
 
 
 def quick(examples: int, **kw) -> settings:
@@ -69,7 +70,7 @@ def test_stale_weight_cache_is_caught_by_the_weight_swap_machine():
     machine = weight_swap_machine(broken.stale_cache_layer, config=preset("tiny"))
     with pytest.raises((AssertionError, Flaky)) as caught:
         run_state_machine_as_test(machine, settings=quick(12, stateful_step_count=20))
-    text = _chain_text(caught.value)
+    text = chain_text(caught.value)
     assert "does not match the reference on the current weights" in text, text[:2000]
 
 
@@ -77,14 +78,3 @@ def test_snapshot_cache_passes_the_same_search():
     machine = weight_swap_machine(broken.snapshot_cache_layer, config=preset("tiny"))
     run_state_machine_as_test(machine, settings=quick(12, stateful_step_count=20))
 
-
-def _chain_text(exc: BaseException) -> str:
-    parts, todo, seen = [], [exc], set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        parts.append(f"{type(e).__name__}: {e}")
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-    return "\n".join(parts)

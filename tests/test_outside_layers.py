@@ -11,17 +11,16 @@ exactly as on magi-moe's own layer, with their ordinary routes and strategies:
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
-from torch import nn
 
 from magi_moe.audit.cache import (DETECTED, EXPERT_PARAMS, NOT_APPLICABLE, NOT_MEASURED, ROUTES, SKIPPED,
                          STALE, audit_weight_cache, draw_state)
 from magi_moe.fuzz.stateful import weight_swap_machine
 from magi_moe.config import preset
 from magi_moe.implementation import Implementation
+from magi_moe.tests.exception_chains import chain_text
 from magi_moe.layer import MagiMoE
 from magi_moe.tests.outside_broken import (CONTENT_CHECKED_LAYER, UNCACHED_LAYER, VERSION_KEYED_LAYER,
                                   ContentCheckedCache, OutsideMoE)
@@ -117,23 +116,11 @@ def test_a_parameter_under_another_name_is_not_applicable():
 
 # -- the weight-swap state machine -------------------------------------------------------------
 
-def _chain_text(exc: BaseException) -> str:
-    parts, todo, seen = [], [exc], set()
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        parts.append(f"{type(e).__name__}: {e}")
-        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
-    return "\n".join(parts)
-
-
 def test_state_machine_catches_the_version_keyed_layer():
     machine = weight_swap_machine(VERSION_KEYED_LAYER, config=TINY)
     with pytest.raises((AssertionError, Flaky)) as caught:
         run_state_machine_as_test(machine, settings=quick(12, stateful_step_count=20))
-    text = _chain_text(caught.value)
+    text = chain_text(caught.value)
     assert "does not match the reference on the current weights" in text, text[:2000]
 
 
