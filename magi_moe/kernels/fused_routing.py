@@ -285,6 +285,7 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
     if R >= 2**31:
         raise ValueError(f"{S} tokens give {R} routes; the route table's int32 fields need < 2^31")
     workspace = workspace or shared_workspace(x.device)
+    workspace.note_capture()
     tiles = (tiles or choose_routing_tiles(config, x.device)).fitted(config)
     HE = config.num_banks
     TB = triton.cdiv(S, tiles.block_s)
