@@ -354,11 +354,14 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
     from .kernels import fused as F
     from .kernels import fused_routing as FR
     from .kernels import fused_tma as T
+    from .kernels.schedule import launch_block_schedule
+    from .kernels.tiles import FusedTiles, RoutingTiles
+    from .kernels.workspace import FusedWorkspace
     from .packed_weights import pack_expert_weights
 
     cfg, table, device = problem.config, problem.table, problem.x.device
     packed = pack_expert_weights(problem.weights)
-    ws = F.FusedWorkspace(device)
+    ws = FusedWorkspace(device)
     R, S = table.num_routes, problem.num_tokens
     rows = torch.empty(R, cfg.head_dim, dtype=torch.float32, device=device)
     slot_route = torch.empty(S * cfg.num_heads * cfg.top_k, dtype=torch.int32, device=device)
@@ -380,9 +383,9 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
             print(f"  {kernel} {tiles}: {error[:160]}", flush=True)
 
     for bm in sorted({c["block_m"] for c in GATE_UP_CANDIDATES}):
-        sched = F.launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws)
+        sched = launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws)
         results["schedule"][bm] = _time_one(
-            lambda: F.launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws), **timing)
+            lambda: launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws), **timing)
         live = int(sched.block_count) * bm
         xg = ws.get("x_gathered", (sched.max_blocks * bm, cfg.head_dim), problem.x.dtype)
         results["gather"][bm] = _time_one(  # part of every "tma_gathered" time: shown apart
@@ -391,7 +394,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                           device=device)
         want_act = None
         for cand in (c for c in GATE_UP_CANDIDATES if c["block_m"] == bm):
-            tiles = F.FusedTiles(**cand).fitted(cfg)
+            tiles = FusedTiles(**cand).fitted(cfg)
 
             def check():
                 nonlocal want_act
@@ -406,7 +409,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                     check)
         want_rows = None
         for cand in (c for c in DOWN_CANDIDATES if c["block_m"] == bm):
-            tiles = F.FusedTiles(**cand).fitted(cfg)
+            tiles = FusedTiles(**cand).fitted(cfg)
 
             def check():
                 nonlocal want_rows
@@ -419,7 +422,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                     lambda: F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles),
                     check)
         for cand in (c for c in MLP_CANDIDATES if c["block_m"] == bm):
-            tiles = F.FusedTiles(**cand).fitted(cfg)
+            tiles = FusedTiles(**cand).fitted(cfg)
 
             def launch():
                 _launch_one_kernel(problem.x, table, packed, cfg, sched, rows, slot_route, tiles)
@@ -430,12 +433,12 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                 return want_rows is not None and _close(rows, want_rows, 1e-5)
             attempt("mlp", cand, launch, check)
     for bt, warps in SUM_CANDIDATES:
-        tiles = F.FusedTiles(sum_block_t=bt, sum_warps=warps)
+        tiles = FusedTiles(sum_block_t=bt, sum_warps=warps)
         attempt("sum", {"sum_block_t": bt, "sum_warps": warps},
                 lambda: F.launch_topk_sum(rows, slot_route, out, cfg, tiles), lambda: True)
     want_ids = None
     for bs, bd, warps, pwarps in (ROUTING_CANDIDATES if routing else ()):
-        rt = FR.RoutingTiles(block_s=bs, block_d=bd, warps=warps, place_warps=pwarps)
+        rt = RoutingTiles(block_s=bs, block_d=bd, warps=warps, place_warps=pwarps)
 
         def route_once():
             return FR.fused_route(problem.x, problem.gate, problem.bias, cfg, block_m=64,
@@ -489,7 +492,7 @@ def _ms(sweep: dict, kernel: str, key: tuple) -> float:
 def best_tiles(sweeps: list[dict]):
     """The FusedTiles that minimise the time over the given cases' sweeps: per block_m the best
     gate/up and down candidates (by normalised time), then the block_m with the least total."""
-    from .kernels.fused import FusedTiles
+    from .kernels.tiles import FusedTiles
 
     gu, dn, sm = (_normalised(sweeps, k) for k in ("gate_up", "down", "sum"))
     mlp = _normalised(sweeps, "mlp") if all("mlp" in s for s in sweeps) else {}
@@ -518,7 +521,7 @@ def merged_classes(swept: list[tuple[float, object]], device_name: str, path=Non
     """The GPU's tabled classes with the swept ones put in: each swept group (routes per bank,
     tiles) replaces the tiles of the tabled class it falls in; edges and other classes stay.
     None when the GPU has no table yet."""
-    from .kernels.fused import load_tile_table
+    from .kernels.tiles import load_tile_table
 
     tabled = load_tile_table(device_name, path)
     if not tabled:
@@ -534,7 +537,7 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
               flush_mib: int, write: bool, merge: bool = False) -> dict:
     """Sweep every case, group the cases by routes per bank, write the winners per group
     (``merge``: into the tabled classes they fall in, keeping the rest of the table)."""
-    from .kernels.fused import load_device_entry, write_tile_table
+    from .kernels.tiles import load_device_entry, write_tile_table
 
     per_case = {}
     for case in cases:
@@ -564,14 +567,11 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
     summary = {"per_case": per_case, "routing": routing,
                "classes": [{"max_routes_per_bank": e, "tiles": asdict(t)} for e, t in classes]}
     if write and device.type == "cuda":
-        from .kernels.fused_routing import choose_routing_tiles
-
         name = torch.cuda.get_device_name(device)
         match = "H200" if "H200" in name else name
         path = write_tile_table(match, classes, routing=routing,
                                 note=f"swept on {name} by magi_moe.benchmark --sweep, "
                                      f"{time.strftime('%Y-%m-%d')}")
-        choose_routing_tiles.cache_clear()
         summary["written"] = str(path)
     return summary
 
@@ -583,22 +583,25 @@ def breakdown_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int)
     that cannot run here is timed as the two-kernel fallback the path runs instead."""
     from .kernels import fused as F
     from .kernels import fused_tma as T
+    from .kernels.schedule import launch_block_schedule
+    from .kernels.tiles import choose_fused_tiles, two_kernel_tiles
+    from .kernels.workspace import FusedWorkspace
     from .packed_weights import pack_expert_weights
 
     cfg, table, x = problem.config, problem.table, problem.x
     device, R = x.device, table.num_routes
     packed = pack_expert_weights(problem.weights)
-    tiles = F.choose_fused_tiles(cfg, R, device)
-    ws = F.FusedWorkspace(device)
-    sched = F.launch_block_schedule(table.offsets, R, cfg.num_banks, tiles.block_m, ws)
+    tiles = choose_fused_tiles(cfg, R, device)
+    ws = FusedWorkspace(device)
+    sched = launch_block_schedule(table.offsets, R, cfg.num_banks, tiles.block_m, ws)
     rows = ws.get("rows", (R, cfg.head_dim), torch.float32)
     slot_route = ws.get("slot_route", (problem.num_tokens * cfg.num_heads * cfg.top_k,), torch.int32)
     if tiles.gu_variant == "mlp_tma" and not F.launch_expert_mlp(x, table, packed, cfg, sched,
                                                                  rows, slot_route, tiles):
-        tiles = F.two_kernel_tiles(tiles, cfg)  # what fused_forward runs here instead
+        tiles = two_kernel_tiles(tiles, cfg)  # what fused_forward runs here instead
     act = ws.get("act", (sched.max_blocks * tiles.block_m, cfg.intermediate_size), cfg.dtype)
     out = torch.empty_like(x)
-    stages = {"schedule": lambda: F.launch_block_schedule(table.offsets, R, cfg.num_banks,
+    stages = {"schedule": lambda: launch_block_schedule(table.offsets, R, cfg.num_banks,
                                                           tiles.block_m, ws)}
     if tiles.gu_variant == "mlp_tma":
         stages["gate_up+down"] = lambda: _launch_one_kernel(x, table, packed, cfg, sched, rows,

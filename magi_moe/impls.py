@@ -38,7 +38,7 @@ def _fused(x, table, weights, config, *, out):
 def _fused_layer(layer, x):
     """``MagiMoE``'s whole-layer path for ``fused``: fused routing and the fused experts on the
     layer's packed bank; no host sync, no workspace allocation once warm."""
-    from .kernels.fused_routing import fused_layer_forward
+    from .kernels.fused_layer import fused_layer_forward
 
     with torch.no_grad():
         layer.weight_cache.ensure(layer.W_gate, layer.W_up)

@@ -1,12 +1,10 @@
-"""The fused BF16 expert path: a grouped GEMM over padded per-expert row blocks, no atomics.
+"""The fused BF16 path's expert GEMMs: a grouped GEMM over padded per-expert row blocks, no atomics.
 
 Four launches, none of them sized by a count read back to the host:
 
-1. ``block_schedule_kernel``: from the CSR offsets, the blocks of ``BLOCK_M``
-   routes of every bank ``f = h*E + e``, written into an upper-bound buffer, and the live block
-   count into a one-element device buffer. Worked example (``BLOCK_M = 2``):
-   ``offsets = [0, 3, 3, 4]`` -> ``block_bank = [0, 0, 2]``, ``block_start = [0, 2, 3]``,
-   ``block_count = 3``; the upper bound is ``cdiv(R, BLOCK_M) + min(H*E, R)``.
+1. ``block_schedule_kernel`` (:mod:`.schedule`, with a worked example): from the CSR offsets,
+   the blocks of ``BLOCK_M`` routes of every bank ``f = h*E + e``, written into an upper-bound
+   buffer, and the live block count into a one-element device buffer.
 2. ``gate_up_kernel`` (persistent): for each (live block, ``BLOCK_N`` columns of ``I``), the
    block's tokens' ``x`` rows gathered on the fly, ``g = x W_gate`` and ``u = x W_up``
    accumulated in fp32, ``a = SwiGLU7(g, u)`` in fp32 rounded once to bf16, stored into the
@@ -47,18 +45,10 @@ arithmetic there (``rounding.round_to``).
 """
 from __future__ import annotations
 
-import json
-import math
-import os
-from dataclasses import asdict, dataclass, fields, replace
-from functools import lru_cache
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
-from .. import debug
 from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..inputs import check_expert_inputs
@@ -67,71 +57,19 @@ from ..validation import check_kernel_device, check_tensor
 from ..weights import ExpertWeights
 from . import fused_tma as T
 from .blocks import block_rows, store_activation, store_weighted_rows
-from .native import shared_memory_limit
+from .descriptors import banked_descriptor, matrix_descriptor
+from .device import persistent_grid, shared_memory_limit, tma_supported
 from .rounding import round_to
+from .schedule import BlockSchedule, launch_block_schedule
+from .tiles import DOWN_VARIANTS, GATE_UP_VARIANTS, FusedTiles, choose_fused_tiles, two_kernel_tiles
+from .workspace import FusedWorkspace, shared_workspace
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
-TILE_TABLE_DIR = Path(__file__).with_name("tiles")
 
 
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
-@triton.jit
-def block_schedule_kernel(
-    offsets_ptr,      # [H*E + 1] int64 CSR offsets: read, or written when FROM_COUNTS
-    counts_ptr,       # [H*E] int32 routes per bank (read only when FROM_COUNTS)
-    block_bank_ptr,   # [max_blocks] int32 out: bank of each live block
-    block_start_ptr,  # [max_blocks] int64 out: CSR index of each live block's first route
-    block_count_ptr,  # [1] int32 out: the live block count (read by the expert kernels)
-    num_banks,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    BANKS_PAD: tl.constexpr,   # power of two >= num_banks
-    SLOTS: tl.constexpr,       # schedule slots filled by each program
-    FROM_COUNTS: tl.constexpr,
-):
-    # Every program works out all banks' block ranges (a cumsum over H*E values) and fills
-    # chunks of SLOTS schedule entries: no program waits on another, and none loops over the
-    # busiest bank's blocks (the one-program form took 36 us at S=16384, NOTES-perf.md). The
-    # grid is capped (the launcher's choice) so the cumsum is not redone thousands of times.
-    pid = tl.program_id(0)
-    f = tl.arange(0, BANKS_PAD)
-    live = f < num_banks
-    if FROM_COUNTS:
-        counts = tl.load(counts_ptr + f, mask=live, other=0).to(tl.int64)
-        ends = tl.cumsum(counts, 0)
-        starts = ends - counts
-        if pid == 0:
-            tl.store(offsets_ptr + 1 + f, ends, mask=live)
-            tl.store(offsets_ptr + f, starts, mask=f == 0)
-    else:
-        starts = tl.load(offsets_ptr + f, mask=live, other=0)
-        counts = tl.load(offsets_ptr + 1 + f, mask=live, other=0) - starts
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    blocks_end = tl.cumsum(blocks, 0)
-    # A malformed table could claim more blocks than the buffer holds: never run past it.
-    live_blocks = tl.minimum(tl.sum(blocks, 0), max_blocks)
-    if pid == 0:
-        tl.store(block_count_ptr, live_blocks.to(tl.int32))
-    # Bank f owns slots blocks_end[f] - blocks[f] .. blocks_end[f] - 1; slot j of it starts
-    # at route starts[f] + j * BLOCK_M, i.e. at base[f] + slot * BLOCK_M.
-    base = starts - (blocks_end - blocks) * BLOCK_M
-    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
-    num_chunks = tl.cdiv(live_blocks, SLOTS)
-    chunk = pid
-    while chunk < num_chunks:
-        slot = tl.cast(chunk, tl.int64) * SLOTS + tl.arange(0, SLOTS).to(tl.int64)
-        owner = ((slot[:, None] >= (blocks_end - blocks)[None, :])
-                 & (slot[:, None] < blocks_end[None, :]))
-        bank = tl.sum(tl.where(owner, f[None, :], 0), 1)
-        start = tl.sum(tl.where(owner, base[None, :], 0), 1) + slot * BLOCK_M
-        m = slot < live_blocks
-        tl.store(block_bank_ptr + slot, bank.to(tl.int32), mask=m)
-        tl.store(block_start_ptr + slot, start, mask=m)
-        chunk += tl.num_programs(0)
-
-
 @triton.jit
 def gate_up_kernel(
     # pointers
@@ -289,260 +227,8 @@ def topk_sum_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# tiles
+# launchers
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FusedTiles:
-    """Block shapes of the three expert kernels. ``block_m`` is shared: it sets the padding."""
-
-    block_m: int = 64
-    gu_block_n: int = 64
-    gu_block_k: int = 64
-    gu_warps: int = 4
-    gu_stages: int = 3
-    # "kloop": K-loop per column tile; "tma": kloop with weight tiles by tensor descriptor;
-    # "tma_gathered": x rows gathered first, both operands by descriptor; "mlp_tma": gate/up
-    # and the down projection of a whole row block in one work item, x rows loaded once,
-    # [Dh, gu_block_n] weight tiles streamed, no activation buffer (the down_* fields are then
-    # unused; gu_block_k is the whole Dh). All in kernels/fused_tma.py. Descriptor
-    # variants fall back to "kloop" (and the down kernel) where TMA is unavailable (before
-    # Hopper, unaligned weights; for "mlp_tma" also a head width not a power of two).
-    gu_variant: str = "kloop"
-    gu_maxnreg: int = 0         # register cap per thread (0: the compiler's choice), for occupancy
-    gu_act_store: str = "ptr"   # descriptor variants: "ptr" or "tma" store of the activation
-    down_block_n: int = 128
-    down_block_k: int = 64
-    down_warps: int = 4
-    down_stages: int = 3
-    down_variant: str = "ptr"   # "ptr": pointer loads; "tma": both operands by descriptor
-    sum_block_t: int = 16
-    sum_warps: int = 4
-    # Persistent grids: programs per multiprocessor (the occupancy the tiles allow).
-    gu_programs_per_sm: int = 1
-    down_programs_per_sm: int = 1
-
-    def fitted(self, config: MoEConfig) -> "FusedTiles":
-        """The same tiles with N/K blocks shrunk to powers of two dividing the widths (the
-        config guarantees multiples of 16), so the kernels' inner loops need no masks."""
-        Dh, I = config.head_dim, config.intermediate_size
-        return FusedTiles(**{**asdict(self),
-                             "gu_block_n": _divisor_block(I, self.gu_block_n),
-                             "gu_block_k": _divisor_block(Dh, self.gu_block_k),
-                             "down_block_n": _divisor_block(Dh, self.down_block_n),
-                             "down_block_k": _divisor_block(I, self.down_block_k)})
-
-
-def _divisor_block(width: int, want: int) -> int:
-    block = min(want, 1 << (width.bit_length() - 1))
-    while width % block:
-        block //= 2
-    return max(block, 1)
-
-
-# The interpreter pays per program and per operation, not per element: small row blocks (little
-# padding), whole widths per program (few programs, few loop trips), one warp.
-INTERPRETER_TILES = FusedTiles(block_m=16, gu_block_n=256, gu_block_k=256, gu_warps=1,
-                               gu_stages=1, down_block_n=256, down_block_k=256, down_warps=1,
-                               down_stages=1, sum_block_t=64, sum_warps=1)
-# Any CUDA GPU without a table entry (Ampere and later run these).
-PORTABLE_TILES = FusedTiles(block_m=64, gu_block_n=64, gu_block_k=64, gu_warps=4, gu_stages=2,
-                            down_block_n=128, down_block_k=32, down_warps=4, down_stages=2)
-
-
-def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
-    """Tiles for the gate/up and down kernels where a one-kernel ("mlp_tma") entry cannot run
-    (no TMA, unaligned weights, a head width not a power of two, a compiled kernel larger than
-    the GPU's shared memory): the portable tiles at the
-    entry's ``block_m``, so a block schedule already built for it still fits. A one-kernel
-    entry's own gu_* fields size a whole-head reduction and would not fit a K loop's stages."""
-    if tiles.gu_variant != "mlp_tma":
-        return tiles
-    warps = 8 if tiles.block_m >= 128 else 4
-    return replace(PORTABLE_TILES, block_m=tiles.block_m, gu_warps=warps, down_warps=warps,
-                   sum_block_t=tiles.sum_block_t, sum_warps=tiles.sum_warps).fitted(config)
-
-
-@lru_cache(maxsize=None)
-def load_device_entry(device_name: str, path: Path | None = None) -> dict | None:
-    """This GPU's entry of ``tiles/fused.json`` (written by ``magi_moe.benchmark --sweep``), or
-    None when it has none: the first entry whose ``match`` is a substring of the name."""
-    path = path or TILE_TABLE_DIR / "fused.json"
-    if not path.exists():
-        return None
-    for entry in json.loads(path.read_text()).get("devices", []):
-        if entry["match"].lower() in device_name.lower():
-            return entry
-    return None
-
-
-@lru_cache(maxsize=None)
-def load_tile_table(device_name: str, path: Path | None = None) -> list[tuple[float, FusedTiles]] | None:
-    """The tabled expert-kernel tiles for a GPU: (routes-per-bank upper edge, tiles), sorted."""
-    entry = load_device_entry(device_name, path)
-    if entry is None:
-        return None
-    known = {f.name for f in fields(FusedTiles)}
-    classes = []
-    for cls in entry["classes"]:
-        edge = cls["max_routes_per_bank"]
-        tiles = FusedTiles(**{k: v for k, v in cls["tiles"].items() if k in known})
-        classes.append((math.inf if edge is None else float(edge), tiles))
-    return sorted(classes, key=lambda c: c[0])
-
-
-def write_tile_table(device_match: str, classes: list[tuple[float | None, FusedTiles]], *,
-                     routing: dict | None = None, note: str = "", path: Path | None = None) -> Path:
-    """Write (or replace) one GPU's entry in ``tiles/fused.json``: the format
-    :func:`load_tile_table` reads. ``classes``: (routes-per-bank upper edge or None, tiles)."""
-    path = path or TILE_TABLE_DIR / "fused.json"
-    table = json.loads(path.read_text()) if path.exists() else {}
-    table.setdefault("format", "devices[].match is a substring of torch.cuda.get_device_name(); "
-                     "classes[] apply up to max_routes_per_bank = R / (H*E) (null: no limit)")
-    entries = [e for e in table.get("devices", []) if e["match"] != device_match]
-    entries.append({"match": device_match, "note": note, "classes": [
-        {"max_routes_per_bank": None if edge is None or math.isinf(edge) else edge,
-         "tiles": asdict(tiles)} for edge, tiles in classes]})
-    if routing is not None:
-        entries[-1]["routing"] = routing
-    table["devices"] = entries
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    load_device_entry.cache_clear()
-    load_tile_table.cache_clear()
-    return path
-
-
-def choose_fused_tiles(config: MoEConfig, num_routes: int, device: torch.device) -> FusedTiles:
-    """Tiles for this shape and device, looked up by mean routes per bank (the padding and the
-    weight reuse both follow it). ``MAGI_MOE_FUSED_TILES`` (JSON of FusedTiles fields) overrides,
-    for sweeps."""
-    override = os.environ.get("MAGI_MOE_FUSED_TILES")
-    if override:
-        return FusedTiles(**{**asdict(PORTABLE_TILES), **json.loads(override)}).fitted(config)
-    if device.type != "cuda":
-        return INTERPRETER_TILES.fitted(config)
-    classes = load_tile_table(torch.cuda.get_device_name(device))
-    if not classes:
-        return PORTABLE_TILES.fitted(config)
-    per_bank = num_routes / max(config.num_banks, 1)
-    for edge, tiles in classes:
-        if per_bank <= edge:
-            return tiles.fitted(config)
-    return classes[-1][1].fitted(config)
-
-
-def max_blocks(num_routes: int, num_banks: int, block_m: int) -> int:
-    """Upper bound on ``sum_f cdiv(count_f, block_m)`` known without reading the counts: each
-    nonempty bank wastes less than one block, and at most ``min(H*E, R)`` banks are nonempty."""
-    return triton.cdiv(num_routes, block_m) + min(num_banks, num_routes)
-
-
-# ---------------------------------------------------------------------------------------------
-# workspace
-# ---------------------------------------------------------------------------------------------
-class FusedWorkspace:
-    """Grow-only device buffers reused call after call, so a warm call allocates nothing.
-
-    Each named buffer is one flat allocation; a call takes a view of the size it needs and a
-    larger request reallocates (``allocations`` counts those). One workspace serves every
-    layer on its device: calls on one device must be ordered (one stream), as they are within a
-    model's forward. Under :func:`magi_moe.debug.poison_workspaces` float buffers are refilled
-    with NaN (and integer ones with -1) on every request, so an element a kernel should have
-    written and did not shows up in the output."""
-
-    def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.allocations = 0
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = math.prod(shape)
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
-            self._buffers[name] = buf
-            self.allocations += 1
-        view = buf[:numel].view(shape)
-        if debug._poison:  # noqa: SLF001 (the debug switch is module state by design)
-            view.fill_(float("nan") if dtype.is_floating_point else -1)
-        return view
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-_WORKSPACES: dict[torch.device, FusedWorkspace] = {}
-
-
-def shared_workspace(device: torch.device | str) -> FusedWorkspace:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    ws = _WORKSPACES.get(device)
-    if ws is None:
-        ws = _WORKSPACES[device] = FusedWorkspace(device)
-    return ws
-
-
-# ---------------------------------------------------------------------------------------------
-# launch wrappers
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BlockSchedule:
-    """Device-side block schedule: ``block_bank`` int32 and ``block_start`` int64
-    ``[max_blocks]`` (valid below the live count), ``block_count`` int32 ``[1]`` (the live
-    count, never read by the host); ``max_blocks`` is the host-side upper bound."""
-
-    block_bank: torch.Tensor
-    block_start: torch.Tensor
-    block_count: torch.Tensor
-    block_m: int
-
-    @property
-    def max_blocks(self) -> int:
-        return self.block_bank.numel()
-
-
-def launch_block_schedule(offsets: torch.Tensor, num_routes: int, num_banks: int, block_m: int,
-                          workspace: FusedWorkspace, *, counts: torch.Tensor | None = None
-                          ) -> BlockSchedule:
-    """Build the block schedule from ``offsets`` (or, with ``counts``, write ``offsets`` first
-    from the per-bank route counts). One launch; nothing read back."""
-    nb = max_blocks(num_routes, num_banks, block_m)
-    block_bank = workspace.get("block_bank", (nb,), torch.int32)
-    block_start = workspace.get("block_start", (nb,), torch.int64)
-    block_count = workspace.get("block_count", (1,), torch.int32)
-    pad = max(16, triton.next_power_of_2(num_banks))
-    # Each program holds a [slots, banks] ownership mask: about 64 elements per thread on a
-    # GPU; the interpreter pays per program, so it takes larger ones.
-    slots = 64 if interpreter_enabled() else max(1, min(64, 16384 // pad))
-    warps = 1 if interpreter_enabled() else 8
-    programs = persistent_grid(triton.cdiv(nb, slots), 2, offsets.device)
-    block_schedule_kernel[(programs,)](
-        offsets, counts if counts is not None else offsets, block_bank, block_start, block_count,
-        num_banks, nb,
-        BLOCK_M=block_m, BANKS_PAD=pad, SLOTS=slots, FROM_COUNTS=counts is not None,
-        num_warps=warps,
-    )
-    return BlockSchedule(block_bank, block_start, block_count, block_m)
-
-
-@lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def persistent_grid(work_upper_bound: int, programs_per_sm: int, device: torch.device) -> int:
-    """Programs for a persistent kernel: enough to fill the GPU, never more than the work's
-    upper bound (the interpreter runs programs one by one: a handful there)."""
-    if device.type == "cuda":
-        slots = _multiprocessors(device.index if device.index is not None
-                                 else torch.cuda.current_device()) * programs_per_sm
-    else:
-        slots = 4
-    return max(1, min(work_upper_bound, slots))
-
-
 def check_fused_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
                        config: MoEConfig, *, check_bounds: bool | None = None) -> None:
     """Shapes, dtypes, devices, strides and (with ``check_bounds``, one host sync; by default
@@ -571,7 +257,6 @@ def _dot_modes() -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"  # tf32 is never used: operands are 16-bit
 
 
-GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered", "mlp_tma")
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -580,7 +265,6 @@ def _whole_head_tiles(config: MoEConfig) -> bool:
     of two, at most 256 per side)."""
     dh = config.head_dim
     return dh & (dh - 1) == 0 and 16 <= dh <= 256
-DOWN_VARIANTS = ("ptr", "tma")
 
 
 def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
@@ -614,11 +298,11 @@ def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, c
 
 def _launch_gate_up_tma(x, table, weights, config, schedule, act, tiles, workspace) -> bool:
     """The descriptor variants of kernel 2; False (nothing launched) where TMA cannot run."""
-    if not T.tma_supported(x.device):
+    if not tma_supported(x.device):
         return False
     bk, bn = tiles.gu_block_k, tiles.gu_block_n
-    wg_desc = T.banked_descriptor(weights.w_gate, [bk, bn])
-    wu_desc = T.banked_descriptor(weights.w_up, [bk, bn])
+    wg_desc = banked_descriptor(weights.w_gate, [bk, bn])
+    wu_desc = banked_descriptor(weights.w_up, [bk, bn])
     if wg_desc is None or wu_desc is None:
         return False
     gathered = tiles.gu_variant == "tma_gathered"
@@ -627,11 +311,11 @@ def _launch_gate_up_tma(x, table, weights, config, schedule, act, tiles, workspa
         workspace = workspace or shared_workspace(x.device)
         xg = workspace.get("x_gathered", (schedule.max_blocks * tiles.block_m, config.head_dim),
                            x.dtype)
-        xg_desc = T.matrix_descriptor(xg, [tiles.block_m, bk])
+        xg_desc = matrix_descriptor(xg, [tiles.block_m, bk])
         if xg_desc is None:
             return False
         T.launch_gather_rows(x, table, schedule, xg, config)
-    act_desc = T.matrix_descriptor(act, [tiles.block_m, bn]) if tiles.gu_act_store == "tma" else None
+    act_desc = matrix_descriptor(act, [tiles.block_m, bn]) if tiles.gu_act_store == "tma" else None
     upcast, precision = _dot_modes()
     work = schedule.max_blocks * (config.intermediate_size // bn)
     T.gate_up_tma_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
@@ -653,12 +337,12 @@ def launch_expert_mlp(x: torch.Tensor, table: RouteTable, weights: ExpertWeights
     """Kernels 2 and 3 as one (``gu_variant="mlp_tma"``): weighted fp32 rows per route with no
     activation buffer. False (nothing launched) where it cannot run; the caller then launches
     the two-kernel path."""
-    if not (T.tma_supported(x.device) and _whole_head_tiles(config)):
+    if not (tma_supported(x.device) and _whole_head_tiles(config)):
         return False
     bn, dh = tiles.gu_block_n, config.head_dim
-    wg_desc = T.banked_descriptor(weights.w_gate, [dh, bn])
-    wu_desc = T.banked_descriptor(weights.w_up, [dh, bn])
-    wd_desc = T.banked_descriptor(weights.w_down, [bn, dh])
+    wg_desc = banked_descriptor(weights.w_gate, [dh, bn])
+    wu_desc = banked_descriptor(weights.w_up, [dh, bn])
+    wd_desc = banked_descriptor(weights.w_down, [bn, dh])
     if wg_desc is None or wu_desc is None or wd_desc is None:
         return False
     upcast, precision = _dot_modes()
@@ -705,9 +389,9 @@ def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,
     wd = weights.w_down
     Dh = config.head_dim
     work = schedule.max_blocks * (Dh // tiles.down_block_n)
-    if tiles.down_variant == "tma" and T.tma_supported(act.device):
-        act_desc = T.matrix_descriptor(act, [tiles.block_m, tiles.down_block_k])
-        wd_desc = T.banked_descriptor(wd, [tiles.down_block_k, tiles.down_block_n])
+    if tiles.down_variant == "tma" and tma_supported(act.device):
+        act_desc = matrix_descriptor(act, [tiles.block_m, tiles.down_block_k])
+        wd_desc = banked_descriptor(wd, [tiles.down_block_k, tiles.down_block_n])
         if act_desc is not None and wd_desc is not None:
             T.down_tma_kernel[(persistent_grid(work, tiles.down_programs_per_sm, act.device),)](
                 act_desc, wd_desc, table.sorted_probs, table.route_slots, table.offsets,
