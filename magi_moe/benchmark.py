@@ -350,10 +350,14 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                routing: bool = True) -> dict:
     """Median ms of every candidate of each fused kernel on this problem. Each candidate's
     output is checked against the first candidate of its block size (NaN-poisoned first); a
-    candidate that fails to compile, launch or agree is recorded with ``ms: None``."""
-    from .kernels import fused as F
+    candidate that fails to compile, launch or agree, or whose launch plan falls back to
+    another kernel here (timing a launch that did not happen would look fast), is recorded with
+    ``ms: None``."""
     from .kernels import fused_routing as FR
     from .kernels import fused_tma as T
+    from .kernels import plan as P
+    from .kernels.device import device_facts
+    from .kernels.fused import FusedCall, compiled_shared_memory, run_plan
     from .kernels.schedule import launch_block_schedule
     from .kernels.tiles import FusedTiles, RoutingTiles
     from .kernels.workspace import FusedWorkspace
@@ -366,6 +370,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
     rows = torch.empty(R, cfg.head_dim, dtype=torch.float32, device=device)
     slot_route = torch.empty(S * cfg.num_heads * cfg.top_k, dtype=torch.int32, device=device)
     out = torch.empty_like(problem.x)
+    facts = device_facts(device)
     timing = dict(warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
     results: dict = {"gate_up": [], "down": [], "mlp": [], "sum": [], "routing": [],
                       "schedule": {}, "gather": {}}
@@ -382,6 +387,17 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         if error:
             print(f"  {kernel} {tiles}: {error[:160]}", flush=True)
 
+    def steps(call, tiles, *kernels):
+        """The launches of ``kernels`` that ``tiles`` plan here; an error where the plan falls
+        back, so a candidate is timed only as itself."""
+        plan = P.plan_fused(cfg, S, R, tiles, facts, packed, schedule_built=True,
+                            shared_memory_of=compiled_shared_memory(call)
+                            if device.type == "cuda" else None)
+        if plan.reasons:
+            raise RuntimeError("cannot run here: " + "; ".join(plan.reasons))
+        part = plan.only(*kernels)
+        return lambda: run_plan(part, call)
+
     for bm in sorted({c["block_m"] for c in GATE_UP_CANDIDATES}):
         sched = launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws)
         results["schedule"][bm] = _time_one(
@@ -392,50 +408,62 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
             lambda: T.launch_gather_rows(problem.x, table, sched, xg, cfg), **timing)
         act = torch.empty(sched.max_blocks * bm, cfg.intermediate_size, dtype=cfg.dtype,
                           device=device)
+        call = FusedCall(problem.x, table, packed, cfg, ws, sched, rows, slot_route, out, act)
         want_act = None
         for cand in (c for c in GATE_UP_CANDIDATES if c["block_m"] == bm):
             tiles = FusedTiles(**cand).fitted(cfg)
+            launch = None
+
+            def gate_up():
+                nonlocal launch
+                launch = launch or steps(call, tiles, P.GATHER_ROWS, P.GATE_UP, P.GATE_UP_TMA)
+                launch()
 
             def check():
                 nonlocal want_act
                 got = act[:live].clone()
                 act.fill_(float("nan"))
-                F.launch_gate_up(problem.x, table, packed, cfg, sched, act, tiles)
+                gate_up()
                 if want_act is None:
                     want_act = act[:live].clone()
                 return _close(act[:live], want_act, 2e-3) and _close(got, want_act, 2e-3)
-            attempt("gate_up", cand,
-                    lambda: F.launch_gate_up(problem.x, table, packed, cfg, sched, act, tiles),
-                    check)
+            attempt("gate_up", cand, gate_up, check)
         want_rows = None
         for cand in (c for c in DOWN_CANDIDATES if c["block_m"] == bm):
             tiles = FusedTiles(**cand).fitted(cfg)
+            launch = None
+
+            def down():
+                nonlocal launch
+                launch = launch or steps(call, tiles, P.DOWN, P.DOWN_TMA)
+                launch()
 
             def check():
                 nonlocal want_rows
                 rows.fill_(float("nan"))
-                F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles)
+                down()
                 if want_rows is None:
                     want_rows = rows.clone()
                 return _close(rows, want_rows, 1e-5)
-            attempt("down", cand,
-                    lambda: F.launch_down(table, packed, cfg, sched, act, rows, slot_route, tiles),
-                    check)
+            attempt("down", cand, down, check)
         for cand in (c for c in MLP_CANDIDATES if c["block_m"] == bm):
             tiles = FusedTiles(**cand).fitted(cfg)
+            launch = None
 
-            def launch():
-                _launch_one_kernel(problem.x, table, packed, cfg, sched, rows, slot_route, tiles)
+            def mlp():
+                nonlocal launch
+                launch = launch or steps(call, tiles, P.EXPERT_MLP)
+                launch()
 
             def check():
                 rows.fill_(float("nan"))
-                launch()
+                mlp()
                 return want_rows is not None and _close(rows, want_rows, 1e-5)
-            attempt("mlp", cand, launch, check)
+            attempt("mlp", cand, mlp, check)
     for bt, warps in SUM_CANDIDATES:
         tiles = FusedTiles(sum_block_t=bt, sum_warps=warps)
         attempt("sum", {"sum_block_t": bt, "sum_warps": warps},
-                lambda: F.launch_topk_sum(rows, slot_route, out, cfg, tiles), lambda: True)
+                steps(call, tiles, P.TOPK_SUM), lambda: True)
     want_ids = None
     for bs, bd, warps, pwarps in (ROUTING_CANDIDATES if routing else ()):
         rt = RoutingTiles(block_s=bs, block_d=bd, warps=warps, place_warps=pwarps)
@@ -453,15 +481,6 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         attempt("routing", {"block_s": bs, "block_d": bd, "warps": warps, "place_warps": pwarps},
                 route_once, check)
     return results
-
-
-def _launch_one_kernel(x, table, weights, config, schedule, rows, slot_route, tiles) -> None:
-    """The one-kernel expert path, or an error where it cannot run: timing a launch that did
-    not happen would look fast."""
-    from .kernels.fused import launch_expert_mlp
-
-    if not launch_expert_mlp(x, table, weights, config, schedule, rows, slot_route, tiles):
-        raise RuntimeError("the one-kernel path (gu_variant='mlp_tma') cannot run here")
 
 
 def _key(tiles: dict) -> tuple:
@@ -577,47 +596,33 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
 
 
 def breakdown_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int) -> dict:
-    """Median ms of each launch of the fused path with the tiles it would choose, timed alone
-    (L2 flushed before each): where a case's time goes. ``gate_up`` includes the gather pass
-    that ``tma_gathered`` launches first (also shown alone as ``gather``); a one-kernel entry
-    that cannot run here is timed as the two-kernel fallback the path runs instead."""
-    from .kernels import fused as F
-    from .kernels import fused_tma as T
-    from .kernels.schedule import launch_block_schedule
-    from .kernels.tiles import choose_fused_tiles, two_kernel_tiles
+    """Median ms of each launch of the fused path's plan with the tiles it would choose, timed
+    alone (L2 flushed before each): where a case's time goes. ``gate_up`` includes the gather
+    pass that ``tma_gathered`` launches first (also shown alone as ``gather``); a one-kernel
+    entry that cannot run here is timed as the two-kernel fallback its plan names."""
+    from .kernels import plan as P
+    from .kernels.fused import fused_call, fused_forward, run_plan
+    from .kernels.tiles import choose_fused_tiles
     from .kernels.workspace import FusedWorkspace
     from .packed_weights import pack_expert_weights
 
     cfg, table, x = problem.config, problem.table, problem.x
-    device, R = x.device, table.num_routes
     packed = pack_expert_weights(problem.weights)
-    tiles = choose_fused_tiles(cfg, R, device)
-    ws = FusedWorkspace(device)
-    sched = launch_block_schedule(table.offsets, R, cfg.num_banks, tiles.block_m, ws)
-    rows = ws.get("rows", (R, cfg.head_dim), torch.float32)
-    slot_route = ws.get("slot_route", (problem.num_tokens * cfg.num_heads * cfg.top_k,), torch.int32)
-    if tiles.gu_variant == "mlp_tma" and not F.launch_expert_mlp(x, table, packed, cfg, sched,
-                                                                 rows, slot_route, tiles):
-        tiles = two_kernel_tiles(tiles, cfg)  # what fused_forward runs here instead
-    act = ws.get("act", (sched.max_blocks * tiles.block_m, cfg.intermediate_size), cfg.dtype)
+    tiles = choose_fused_tiles(cfg, table.num_routes, x.device)
+    ws = FusedWorkspace(x.device)
     out = torch.empty_like(x)
-    stages = {"schedule": lambda: launch_block_schedule(table.offsets, R, cfg.num_banks,
-                                                          tiles.block_m, ws)}
-    if tiles.gu_variant == "mlp_tma":
-        stages["gate_up+down"] = lambda: _launch_one_kernel(x, table, packed, cfg, sched, rows,
-                                                            slot_route, tiles)
-    else:
-        if tiles.gu_variant == "tma_gathered":
-            xg = ws.get("x_gathered", (sched.max_blocks * tiles.block_m, cfg.head_dim), x.dtype)
-            stages["gather"] = lambda: T.launch_gather_rows(x, table, sched, xg, cfg)
-        stages["gate_up"] = lambda: F.launch_gate_up(x, table, packed, cfg, sched, act, tiles, ws)
-        stages["down"] = lambda: F.launch_down(table, packed, cfg, sched, act, rows, slot_route,
-                                               tiles)
-    stages["sum"] = lambda: F.launch_topk_sum(rows, slot_route, out, cfg, tiles)
-    stages["whole"] = lambda: F.fused_forward(x, table, packed, cfg, out=out, tiles=tiles,
-                                              workspace=ws)
-    timing = dict(warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
-    return {"tiles": asdict(tiles), "ms": {name: _time_one(fn, **timing) for name, fn in stages.items()}}
+    plan, call = fused_call(x, table, packed, cfg, out=out, tiles=tiles, workspace=ws)
+    run_plan(plan.only(P.SCHEDULE), call)  # the schedule the other launches read
+    parts = {"schedule": (P.SCHEDULE,), "gate_up+down": (P.EXPERT_MLP,),
+             "gather": (P.GATHER_ROWS,), "gate_up": (P.GATHER_ROWS, P.GATE_UP, P.GATE_UP_TMA),
+             "down": (P.DOWN, P.DOWN_TMA), "sum": (P.TOPK_SUM,)}
+    stages = {name: (lambda part=plan.only(*kernels): run_plan(part, call))
+              for name, kernels in parts.items() if set(kernels) & set(plan.kernels)}
+    stages["whole"] = lambda: fused_forward(x, table, packed, cfg, out=out, tiles=tiles,
+                                            workspace=ws)
+    timing = dict(warmup=warmup, iters=iters, flush_mib=flush_mib, device=x.device)
+    return {"tiles": asdict(tiles), "plan": list(plan.kernels), "reasons": list(plan.reasons),
+            "ms": {name: _time_one(fn, **timing) for name, fn in stages.items()}}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -179,30 +179,19 @@ def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     assert_close_to_oracle(out, problem)
 
 
-class RecordingKernel:
-    """Stands in for a Triton kernel and records each launch by name."""
-
-    def __init__(self, kernel, name: str, log: list):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append(self.name)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-    def warmup(self, *args, **kwargs):  # compiles without launching: not recorded
-        return self.kernel.warmup(*args, **kwargs)
+DESCRIPTOR_KERNELS = ("gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel",
+                      "expert_mlp_tma_kernel")
 
 
-@pytest.fixture
-def descriptor_launches(monkeypatch) -> list:
-    from magi_moe.kernels import fused_tma
-    log: list = []
-    for name in ("gate_up_tma_kernel", "down_tma_kernel", "gather_rows_kernel",
-                 "expert_mlp_tma_kernel"):
-        monkeypatch.setattr(fused_tma, name, RecordingKernel(getattr(fused_tma, name), name, log))
-    return log
+def _plan(problem: Problem, tiles, weights: ExpertWeights | None = None):
+    """The launch plan fused_forward runs for this problem and these tiles."""
+    plan, _ = F().fused_call(problem.x, problem.table, weights or problem.weights, problem.config,
+                             tiles=tiles, workspace=FusedWorkspace(problem.x.device))
+    return plan
+
+
+def _descriptor_kernels(plan) -> list[str]:
+    return [k for k in plan.kernels if k in DESCRIPTOR_KERNELS]
 
 
 def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None) -> torch.Tensor:
@@ -218,11 +207,10 @@ def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None)
 
 @pytest.mark.parametrize("gu_variant,act_store", [("tma", "ptr"), ("tma_gathered", "ptr"),
                                                   ("tma_gathered", "tma"), ("mlp_tma", "ptr")])
-def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant, act_store,
-                                                                    descriptor_launches):
-    """The descriptor kernels are really launched (no silent fallback) and compute what the
-    pointer kernels compute: the same bits under the interpreter (same operations in the same
-    order), the oracle's accuracy on a GPU."""
+def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant, act_store):
+    """The plan runs the descriptor kernels (no fallback) and they compute what the pointer
+    kernels compute: the same bits under the interpreter (same operations in the same order),
+    the oracle's accuracy on a GPU."""
     from magi_moe.kernels.device import tma_supported
 
     if not tma_supported(device):
@@ -236,13 +224,16 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
                             "gu_block_n": 32, "down_block_k": 32}).fitted(problem.config)
     descriptor = FusedTiles(**{**vars(pointer), "gu_variant": gu_variant,
                                "gu_act_store": act_store, "down_variant": "tma"})
+    assert _descriptor_kernels(_plan(problem, pointer)) == []
+    plan = _plan(problem, descriptor)
+    assert plan.reasons == ()
+    assert _descriptor_kernels(plan) == {
+        "tma": ["gate_up_tma_kernel", "down_tma_kernel"],
+        "tma_gathered": ["gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel"],
+        "mlp_tma": ["expert_mlp_tma_kernel"]}[gu_variant]
+    assert plan.step(plan.kernels[1]).tiles.gu_act_store == act_store
     want = _forward_with(problem, pointer)
-    assert descriptor_launches == []
     got = _forward_with(problem, descriptor)
-    expected = {"tma": ["gate_up_tma_kernel", "down_tma_kernel"],
-                "tma_gathered": ["gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel"],
-                "mlp_tma": ["expert_mlp_tma_kernel"]}[gu_variant]
-    assert descriptor_launches == expected
     if device.type == "cpu":
         assert torch.equal(got, want)
     else:
@@ -250,10 +241,10 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
 
 
 @pytest.mark.parametrize("gu_variant", ["tma", "mlp_tma"])
-def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant,
-                                                            descriptor_launches):
-    """A weight whose base is not 16-byte aligned cannot be a TMA source: the pointer kernels
-    run instead, with the same result (for a one-kernel entry, with its fallback tiles)."""
+def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant):
+    """A weight whose base is not 16-byte aligned cannot be a TMA source: the plan runs the
+    pointer kernels instead and says why, with the same result (for a one-kernel entry, on its
+    fallback tiles)."""
     problem = random_problem(preset("small"), 29, seed=22, device=device)
     w = problem.weights
     storage = torch.empty(w.w_down.numel() + 1, dtype=w.w_down.dtype, device=device)
@@ -272,9 +263,29 @@ def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant,
         assert pointer.gu_variant == "kloop" and pointer.block_m == 128
     else:
         descriptor = FusedTiles(**{**vars(pointer), "gu_variant": "tma", "down_variant": "tma"})
-    got = _forward_with(problem, descriptor, weights)
-    assert descriptor_launches == []
-    assert torch.equal(got, _forward_with(problem, pointer, weights))
+    plan = _plan(problem, descriptor, weights)
+    assert plan.kernels == ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
+                            "topk_sum_kernel")
+    aligned = "base address not 16-byte aligned"
+    if gu_variant == "mlp_tma":
+        assert plan.reasons == (f"gu_variant 'mlp_tma' -> gate_up_kernel + down_kernel: "
+                                f"w_gate: {aligned}; w_down: {aligned}",)
+        assert plan.step("gate_up_kernel").tiles == pointer
+    else:
+        assert plan.reasons == (f"gu_variant 'tma' -> gate_up_kernel: w_gate: {aligned}",
+                                f"down_variant 'tma' -> down_kernel: w_down: {aligned}")
+    assert torch.equal(_forward_with(problem, descriptor, weights),
+                       _forward_with(problem, pointer, weights))
+
+
+def test_the_interpreter_default_plan_is_the_kloop_and_pointer_pair(device):
+    if device.type != "cpu":
+        pytest.skip("the interpreter's tiles")
+    problem = random_problem(preset("small"), 20, seed=23, device=device)
+    plan = _plan(problem, None)
+    assert plan.kernels == ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
+                            "topk_sum_kernel")
+    assert plan.reasons == () and plan.asked == INTERPRETER_TILES.fitted(problem.config)
 
 
 @pytest.mark.parametrize("inter", [32, 64])

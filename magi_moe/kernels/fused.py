@@ -45,6 +45,9 @@ arithmetic there (``rounding.round_to``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -58,10 +61,12 @@ from ..weights import ExpertWeights
 from . import fused_tma as T
 from .blocks import block_rows, store_activation, store_weighted_rows
 from .descriptors import banked_descriptor, matrix_descriptor
-from .device import persistent_grid, shared_memory_limit, tma_supported
+from .device import device_facts
+from .plan import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA, GATHER_ROWS, SCHEDULE,
+                   TOPK_SUM, LaunchPlan, LaunchStep, plan_fused)
 from .rounding import round_to
-from .schedule import BlockSchedule, launch_block_schedule
-from .tiles import DOWN_VARIANTS, GATE_UP_VARIANTS, FusedTiles, choose_fused_tiles, two_kernel_tiles
+from .schedule import BlockSchedule, fill_block_schedule, max_blocks, schedule_buffers
+from .tiles import INTERPRETER_TILES, FusedTiles, choose_fused_tiles
 from .workspace import FusedWorkspace, shared_workspace
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -260,196 +265,271 @@ def _dot_modes() -> tuple[bool, str]:
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _whole_head_tiles(config: MoEConfig) -> bool:
-    """The one-kernel path loads ``[Dh, BLOCK_N]`` weight tiles in one descriptor box (a power
-    of two, at most 256 per side)."""
-    dh = config.head_dim
-    return dh & (dh - 1) == 0 and 16 <= dh <= 256
+@dataclass
+class FusedCall:
+    """The tensors one run of a :class:`~.plan.LaunchPlan` reads and writes. ``schedule``: the
+    block schedule's buffers (filled by the plan's schedule step, or already built; None
+    without routes); ``rows`` ``[R, Dh]`` fp32 and ``slot_route`` ``[S*H*K]`` int32: the
+    per-route rows and where each slot's row is; ``out``: the top-k sum's output; ``act``: the
+    two-kernel path's activation buffer (from the workspace when None)."""
+
+    x: torch.Tensor
+    table: RouteTable
+    weights: ExpertWeights
+    config: MoEConfig
+    workspace: FusedWorkspace
+    schedule: BlockSchedule | None
+    rows: torch.Tensor
+    slot_route: torch.Tensor
+    out: torch.Tensor | None = None
+    act: torch.Tensor | None = None
 
 
-def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
-                   schedule: BlockSchedule, act: torch.Tensor, tiles: FusedTiles,
-                   workspace: FusedWorkspace | None = None) -> None:
-    """Kernel 2: SwiGLU7 activations of every live block into ``act`` ``[max_blocks*BLOCK_M, I]``
-    (``tma_gathered`` first gathers the blocks' ``x`` rows into a ``workspace`` buffer)."""
-    if tiles.gu_variant not in GATE_UP_VARIANTS:
-        raise ValueError(f"FusedTiles.gu_variant must be one of {GATE_UP_VARIANTS}, "
-                         f"got {tiles.gu_variant!r}")
-    tiles = two_kernel_tiles(tiles, config)  # "mlp_tma" tiles: its fallback's gate/up
-    if tiles.gu_act_store not in ("ptr", "tma"):
-        raise ValueError(f"FusedTiles.gu_act_store must be 'ptr' or 'tma', got {tiles.gu_act_store!r}")
-    if tiles.gu_variant in ("tma", "tma_gathered") and _launch_gate_up_tma(
-            x, table, weights, config, schedule, act, tiles, workspace):
-        return
+def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
+    """Kernels 2 and 3 as one (``expert_mlp_tma_kernel``): weighted fp32 rows per route, no
+    activation buffer. ``warmup``: compile for this launch and return the compiled kernel."""
+    c, tiles, w = call, step.tiles, call.weights
+    bn, dh = tiles.gu_block_n, c.config.head_dim
+    descs = (banked_descriptor(w.w_gate, [dh, bn]), banked_descriptor(w.w_up, [dh, bn]),
+             banked_descriptor(w.w_down, [bn, dh]))
+    _promised(step, *descs)
     upcast, precision = _dot_modes()
-    wg, wu = weights.w_gate, weights.w_up
-    I = config.intermediate_size
-    work = schedule.max_blocks * (I // tiles.gu_block_n)
-    gate_up_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
-        x, wg, wu, table.gather_ids, table.offsets,
-        schedule.block_bank, schedule.block_start, schedule.block_count, act,
-        x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
-        config.num_experts, HEAD_DIM=config.head_dim, INTER=I,
+    sched = c.schedule
+    args = (c.x, *descs, c.table.gather_ids, c.table.sorted_probs, c.table.route_slots,
+            c.table.offsets, sched.block_bank, sched.block_start, sched.block_count,
+            c.rows, c.slot_route, c.x.stride(0), c.rows.stride(0), c.config.num_experts)
+    meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
+                ACT_DTYPE=_TL_DTYPES[w.w_down.dtype], UPCAST=upcast,
+                DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
+                **_register_cap(tiles.gu_maxnreg))
+    if warmup:
+        return T.expert_mlp_tma_kernel.warmup(*args, grid=(step.grid,), **meta)
+    T.expert_mlp_tma_kernel[(step.grid,)](*args, **meta)
+
+
+def _promised(step: LaunchStep, *descriptors) -> None:
+    if any(d is None for d in descriptors):  # the plan checked the same layouts: a bug if seen
+        raise RuntimeError(f"{step.kernel}: the launch plan promised tensor descriptors that "
+                           f"cannot be made")
+
+
+_SHARED: dict[tuple, int] = {}
+
+
+def compiled_shared_memory(call: FusedCall) -> Callable[[LaunchStep], int]:
+    """For the planner: bytes of shared memory a step's kernel, compiled for this call, needs.
+    Its footprint depends on the shapes as well as the tiles (with a single activation slice,
+    I = BLOCK_N, Triton 3.6 asked 353 KiB for tiles that take 208 KiB at I = 1280), so it is
+    read from the compiled kernel, once per (device, dtype, shapes, tiles), not estimated."""
+    def measure(step: LaunchStep) -> int:
+        if step.kernel != EXPERT_MLP:
+            raise ValueError(f"only {EXPERT_MLP} is measured, not {step.kernel}")
+        key = (call.x.device, call.x.dtype, call.config.head_dim,
+               call.config.intermediate_size, step.tiles)
+        if key not in _SHARED:
+            _SHARED[key] = _launch_expert_mlp(step, call, warmup=True).metadata.shared
+        return _SHARED[key]
+    return measure
+
+
+def _launch_gate_up(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
+    """Kernel 2, K loop over Dh per column tile: SwiGLU7 activations into ``act``."""
+    c, tiles = call, step.tiles
+    upcast, precision = _dot_modes()
+    wg, wu, sched = c.weights.w_gate, c.weights.w_up, c.schedule
+    gate_up_kernel[(step.grid,)](
+        c.x, wg, wu, c.table.gather_ids, c.table.offsets,
+        sched.block_bank, sched.block_start, sched.block_count, act,
+        c.x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
+        c.config.num_experts, HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n, BLOCK_K=tiles.gu_block_k,
         UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
     )
 
 
-def _launch_gate_up_tma(x, table, weights, config, schedule, act, tiles, workspace) -> bool:
-    """The descriptor variants of kernel 2; False (nothing launched) where TMA cannot run."""
-    if not tma_supported(x.device):
-        return False
+def _launch_gate_up_tma(step: LaunchStep, call: FusedCall, act: torch.Tensor,
+                        xg: torch.Tensor | None) -> None:
+    """Kernel 2 with weight tiles by descriptor (``tma``), and ``x`` rows from the gathered
+    buffer ``xg`` by descriptor too (``tma_gathered``)."""
+    c, tiles = call, step.tiles
     bk, bn = tiles.gu_block_k, tiles.gu_block_n
-    wg_desc = banked_descriptor(weights.w_gate, [bk, bn])
-    wu_desc = banked_descriptor(weights.w_up, [bk, bn])
-    if wg_desc is None or wu_desc is None:
-        return False
+    wg_desc = banked_descriptor(c.weights.w_gate, [bk, bn])
+    wu_desc = banked_descriptor(c.weights.w_up, [bk, bn])
     gathered = tiles.gu_variant == "tma_gathered"
-    xg_desc = None
-    if gathered:
-        workspace = workspace or shared_workspace(x.device)
-        xg = workspace.get("x_gathered", (schedule.max_blocks * tiles.block_m, config.head_dim),
-                           x.dtype)
-        xg_desc = matrix_descriptor(xg, [tiles.block_m, bk])
-        if xg_desc is None:
-            return False
-        T.launch_gather_rows(x, table, schedule, xg, config)
+    xg_desc = matrix_descriptor(xg, [tiles.block_m, bk]) if gathered else None
+    _promised(step, wg_desc, wu_desc, *([xg_desc] if gathered else []))
     act_desc = matrix_descriptor(act, [tiles.block_m, bn]) if tiles.gu_act_store == "tma" else None
+    if tiles.gu_act_store == "tma":
+        _promised(step, act_desc)
     upcast, precision = _dot_modes()
-    work = schedule.max_blocks * (config.intermediate_size // bn)
-    T.gate_up_tma_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
-        x, xg_desc, wg_desc, wu_desc, table.gather_ids, table.offsets,
-        schedule.block_bank, schedule.block_start, schedule.block_count, act, act_desc,
-        x.stride(0), act.stride(0), config.num_experts,
-        HEAD_DIM=config.head_dim, INTER=config.intermediate_size,
+    sched = c.schedule
+    T.gate_up_tma_kernel[(step.grid,)](
+        c.x, xg_desc, wg_desc, wu_desc, c.table.gather_ids, c.table.offsets,
+        sched.block_bank, sched.block_start, sched.block_count, act, act_desc,
+        c.x.stride(0), act.stride(0), c.config.num_experts,
+        HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk, X_GATHERED=gathered,
         ACT_DESC=act_desc is not None,
         UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
     )
-    return True
 
 
-def launch_expert_mlp(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
-                      config: MoEConfig, schedule: BlockSchedule, rows: torch.Tensor,
-                      slot_route: torch.Tensor, tiles: FusedTiles) -> bool:
-    """Kernels 2 and 3 as one (``gu_variant="mlp_tma"``): weighted fp32 rows per route with no
-    activation buffer. False (nothing launched) where it cannot run; the caller then launches
-    the two-kernel path."""
-    if not (tma_supported(x.device) and _whole_head_tiles(config)):
-        return False
-    bn, dh = tiles.gu_block_n, config.head_dim
-    wg_desc = banked_descriptor(weights.w_gate, [dh, bn])
-    wu_desc = banked_descriptor(weights.w_up, [dh, bn])
-    wd_desc = banked_descriptor(weights.w_down, [bn, dh])
-    if wg_desc is None or wu_desc is None or wd_desc is None:
-        return False
-    upcast, precision = _dot_modes()
-    grid = (persistent_grid(schedule.max_blocks, tiles.gu_programs_per_sm, x.device),)
-    args = (x, wg_desc, wu_desc, wd_desc, table.gather_ids, table.sorted_probs, table.route_slots,
-            table.offsets, schedule.block_bank, schedule.block_start, schedule.block_count,
-            rows, slot_route, x.stride(0), rows.stride(0), config.num_experts)
-    meta = dict(HEAD_DIM=dh, INTER=config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
-                ACT_DTYPE=_TL_DTYPES[weights.w_down.dtype], UPCAST=upcast,
-                DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
-                **_register_cap(tiles.gu_maxnreg))
-    key = (x.device, x.dtype, dh, config.intermediate_size, tiles)
-    if x.device.type == "cuda" and not _fits_shared_memory(T.expert_mlp_tma_kernel, key, grid,
-                                                           args, meta):
-        return False
-    T.expert_mlp_tma_kernel[grid](*args, **meta)
-    return True
-
-
-_FITS: dict[tuple, bool] = {}
-
-
-def _fits_shared_memory(kernel, key: tuple, grid, args, meta: dict) -> bool:
-    """Whether ``kernel`` compiled for this launch fits the GPU's shared memory. Its footprint
-    depends on the shapes as well as the tiles (with a single activation slice, I = BLOCK_N,
-    Triton 3.6 asked 353 KiB for tiles that take 208 KiB at I = 1280), so it is read from the
-    compiled kernel, once per ``key`` = (device, dtype, shapes, tiles), instead of estimated."""
-    fits = _FITS.get(key)
-    if fits is None:
-        compiled = kernel.warmup(*args, grid=grid, **meta)
-        fits = _FITS[key] = compiled.metadata.shared <= shared_memory_limit(key[0])
-    return fits
-
-
-def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,
-                schedule: BlockSchedule, act: torch.Tensor, rows: torch.Tensor,
-                slot_route: torch.Tensor, tiles: FusedTiles) -> None:
+def _launch_down(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
     """Kernel 3: weighted fp32 rows per route into ``rows`` ``[R, Dh]`` and ``slot_route``."""
-    if tiles.down_variant not in DOWN_VARIANTS:
-        raise ValueError(f"FusedTiles.down_variant must be one of {DOWN_VARIANTS}, "
-                         f"got {tiles.down_variant!r}")
-    tiles = two_kernel_tiles(tiles, config)
+    c, tiles = call, step.tiles
     upcast, precision = _dot_modes()
-    wd = weights.w_down
-    Dh = config.head_dim
-    work = schedule.max_blocks * (Dh // tiles.down_block_n)
-    if tiles.down_variant == "tma" and tma_supported(act.device):
-        act_desc = matrix_descriptor(act, [tiles.block_m, tiles.down_block_k])
-        wd_desc = banked_descriptor(wd, [tiles.down_block_k, tiles.down_block_n])
-        if act_desc is not None and wd_desc is not None:
-            T.down_tma_kernel[(persistent_grid(work, tiles.down_programs_per_sm, act.device),)](
-                act_desc, wd_desc, table.sorted_probs, table.route_slots, table.offsets,
-                schedule.block_bank, schedule.block_start, schedule.block_count, rows,
-                slot_route, rows.stride(0),
-                HEAD_DIM=Dh, INTER=config.intermediate_size,
-                BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
-                UPCAST=upcast, DOT_PRECISION=precision,
-                num_warps=tiles.down_warps, num_stages=tiles.down_stages,
-            )
-            return
-    down_kernel[(persistent_grid(work, tiles.down_programs_per_sm, act.device),)](
-        act, wd, table.sorted_probs, table.route_slots, table.offsets,
-        schedule.block_bank, schedule.block_start, schedule.block_count, rows, slot_route,
-        act.stride(0), wd.stride(0), wd.stride(1), rows.stride(0),
-        HEAD_DIM=Dh, INTER=config.intermediate_size,
+    wd, sched = c.weights.w_down, c.schedule
+    down_kernel[(step.grid,)](
+        act, wd, c.table.sorted_probs, c.table.route_slots, c.table.offsets,
+        sched.block_bank, sched.block_start, sched.block_count, c.rows, c.slot_route,
+        act.stride(0), wd.stride(0), wd.stride(1), c.rows.stride(0),
+        HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
         UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.down_warps, num_stages=tiles.down_stages,
     )
 
 
+def _launch_down_tma(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
+    """Kernel 3 with the activation rows and the ``W_down`` tiles by descriptor."""
+    c, tiles = call, step.tiles
+    act_desc = matrix_descriptor(act, [tiles.block_m, tiles.down_block_k])
+    wd_desc = banked_descriptor(c.weights.w_down, [tiles.down_block_k, tiles.down_block_n])
+    _promised(step, act_desc, wd_desc)
+    upcast, precision = _dot_modes()
+    sched = c.schedule
+    T.down_tma_kernel[(step.grid,)](
+        act_desc, wd_desc, c.table.sorted_probs, c.table.route_slots, c.table.offsets,
+        sched.block_bank, sched.block_start, sched.block_count, c.rows, c.slot_route,
+        c.rows.stride(0),
+        HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
+        UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages,
+    )
+
+
+def _launch_topk_sum(step: LaunchStep, call: FusedCall) -> None:
+    """``out[s, h] = sum_k rows[slot_route[(s*H + h)*K + k]]`` in fixed order, one rounding."""
+    c, tiles, cfg = call, step.tiles, call.config
+    topk_sum_kernel[(step.grid,)](
+        c.rows, c.slot_route, c.out, c.out.shape[0] * cfg.num_heads, cfg.num_heads,
+        c.rows.stride(0), c.out.stride(0),
+        HEAD_DIM=cfg.head_dim, DH_PAD=max(16, triton.next_power_of_2(cfg.head_dim)),
+        TOP_K=cfg.top_k, BLOCK_T=tiles.sum_block_t, SOFT_BF16=interpreter_enabled(),
+        num_warps=tiles.sum_warps,
+    )
+
+
+def run_plan(plan: LaunchPlan, call: FusedCall) -> None:
+    """Launch ``plan``'s steps in order on ``call``'s tensors; nothing is decided here."""
+    cfg, ws = call.config, call.workspace
+    if plan.clear_slots:  # a partial (hand-built) table leaves slots without a route
+        call.slot_route.fill_(-1)
+    act = call.act
+    if act is None and plan.activation_rows:
+        act = ws.get("act", (plan.activation_rows, cfg.intermediate_size), call.weights.w_down.dtype)
+    xg = None  # the gathered x rows, taken once per run (a second request would re-poison it)
+    for step in plan.steps:
+        kernel = step.kernel
+        if (kernel in (GATHER_ROWS, GATE_UP_TMA) and step.tiles.gu_variant == "tma_gathered"
+                and xg is None):
+            xg = ws.get("x_gathered", (plan.max_blocks * step.tiles.block_m, cfg.head_dim),
+                        call.x.dtype)
+        if kernel == SCHEDULE:
+            fill_block_schedule(call.schedule, call.table.offsets, cfg.num_banks)
+        elif kernel == EXPERT_MLP:
+            _launch_expert_mlp(step, call)
+        elif kernel == GATHER_ROWS:
+            T.launch_gather_rows(call.x, call.table, call.schedule, xg, cfg)
+        elif kernel == GATE_UP:
+            _launch_gate_up(step, call, act)
+        elif kernel == GATE_UP_TMA:
+            _launch_gate_up_tma(step, call, act, xg)
+        elif kernel == DOWN:
+            _launch_down(step, call, act)
+        elif kernel == DOWN_TMA:
+            _launch_down_tma(step, call, act)
+        elif kernel == TOPK_SUM:
+            _launch_topk_sum(step, call)
+        else:
+            raise ValueError(f"run_plan cannot launch {kernel!r}")
+
+
+def plan_call(call: FusedCall, tiles: FusedTiles, *, schedule_built: bool = False,
+              rows_only: bool = False) -> LaunchPlan:
+    """The plan :func:`fused_forward` and :func:`launch_route_rows` run for ``call``: this
+    device's facts, and on a GPU the compiled one-kernel path's shared memory."""
+    x = call.x
+    return plan_fused(call.config, call.table.num_tokens, call.table.num_routes, tiles,
+                      device_facts(x.device), call.weights, schedule_built=schedule_built,
+                      rows_only=rows_only,
+                      shared_memory_of=compiled_shared_memory(call) if x.device.type == "cuda" else None)
+
+
+def _call_schedule(table: RouteTable, config: MoEConfig, tiles: FusedTiles,
+                   workspace: FusedWorkspace, schedule: BlockSchedule | None) -> BlockSchedule | None:
+    """A schedule built already (checked against the table), or the buffers to build it into."""
+    R = table.num_routes
+    if R == 0:
+        return None
+    if schedule is None:
+        return schedule_buffers(workspace, R, config.num_banks, tiles.block_m)
+    if schedule.block_m != tiles.block_m:
+        raise ValueError(f"schedule was built for block_m={schedule.block_m}, "
+                         f"tiles use {tiles.block_m}")
+    want = max_blocks(R, config.num_banks, tiles.block_m)
+    if schedule.max_blocks != want:
+        raise ValueError(f"schedule has {schedule.max_blocks} blocks; a table of {R} routes over "
+                         f"{config.num_banks} banks needs {want}")
+    return schedule
+
+
 def launch_route_rows(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
                       config: MoEConfig, rows: torch.Tensor, slot_route: torch.Tensor, *,
                       tiles: FusedTiles, workspace: FusedWorkspace,
-                      schedule: BlockSchedule | None = None) -> None:
+                      schedule: BlockSchedule | None = None) -> LaunchPlan:
     """Expert rows only: fp32 ``p * expert(x)`` into caller-owned ``rows`` ``[R, Dh]`` (CSR
     order, as the native kernel's deterministic rows) and each route's CSR index into
-    ``slot_route`` ``[S*H*K]`` int32. Huge-input tests call this with lazily allocated buffers."""
+    ``slot_route`` ``[S*H*K]`` int32. Huge-input tests call this with lazily allocated buffers.
+    Returns the plan it ran."""
+    call = FusedCall(x, table, weights, config, workspace,
+                     _call_schedule(table, config, tiles, workspace, schedule), rows, slot_route)
+    plan = plan_call(call, tiles, schedule_built=schedule is not None, rows_only=True)
+    run_plan(plan, call)
+    return plan
+
+
+def fused_call(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
+               *, out: torch.Tensor | None = None, tiles: FusedTiles | None = None,
+               workspace: FusedWorkspace | None = None,
+               schedule: BlockSchedule | None = None,
+               check_bounds: bool | None = None) -> tuple[LaunchPlan, FusedCall]:
+    """What :func:`fused_forward` runs: its inputs checked, its buffers taken from the
+    workspace, its plan made; nothing launched. An empty input gets an empty plan."""
+    check_fused_inputs(x, table, weights, config, check_bounds=check_bounds)
+    S, D = x.shape
+    if out is None:
+        out = torch.empty(S, D, dtype=x.dtype, device=x.device)
+    else:
+        check_tensor("out", out, shape=(S, D), dtype=x.dtype, device=x.device)
+        if out.numel() and out.stride(-1) != 1:
+            raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
+    workspace = workspace or shared_workspace(x.device)
     R = table.num_routes
-    if R == 0:
-        return
-    if schedule is None:
-        schedule = launch_block_schedule(table.offsets, R, config.num_banks, tiles.block_m,
-                                         workspace)
-    if tiles.gu_variant == "mlp_tma":
-        if launch_expert_mlp(x, table, weights, config, schedule, rows, slot_route, tiles):
-            return
-        tiles = two_kernel_tiles(tiles, config)
-    act = workspace.get("act", (schedule.max_blocks * tiles.block_m, config.intermediate_size),
-                        weights.w_down.dtype)
-    launch_gate_up(x, table, weights, config, schedule, act, tiles, workspace)
-    launch_down(table, weights, config, schedule, act, rows, slot_route, tiles)
-
-
-def launch_topk_sum(rows: torch.Tensor, slot_route: torch.Tensor, out: torch.Tensor,
-                    config: MoEConfig, tiles: FusedTiles) -> None:
-    """``out[s, h] = sum_k rows[slot_route[(s*H + h)*K + k]]`` in fixed order, one rounding."""
-    S = out.shape[0]
     if S == 0:
-        return
-    pairs = S * config.num_heads
-    topk_sum_kernel[(triton.cdiv(pairs, tiles.sum_block_t),)](
-        rows, slot_route, out, pairs, config.num_heads, rows.stride(0), out.stride(0),
-        HEAD_DIM=config.head_dim, DH_PAD=max(16, triton.next_power_of_2(config.head_dim)),
-        TOP_K=config.top_k, BLOCK_T=tiles.sum_block_t, SOFT_BF16=interpreter_enabled(),
-        num_warps=tiles.sum_warps,
-    )
+        empty = torch.empty(0, device=x.device)
+        return LaunchPlan((), tiles or INTERPRETER_TILES, device_facts(x.device), 0), FusedCall(
+            x, table, weights, config, workspace, None, empty, empty, out)
+    tiles = tiles or choose_fused_tiles(config, R, x.device)
+    call = FusedCall(x, table, weights, config, workspace,
+                     _call_schedule(table, config, tiles, workspace, schedule),
+                     workspace.get("rows", (R, config.head_dim), torch.float32),
+                     workspace.get("slot_route", (S * config.num_heads * config.top_k,), torch.int32),
+                     out)
+    return plan_call(call, tiles, schedule_built=schedule is not None), call
 
 
 def fused_forward(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
@@ -464,29 +544,9 @@ def fused_forward(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, co
     the problem's size, no allocation. Any other table is validated first (one sync), so a bad
     hand-built or edited table gets a clear error instead of a wild memory access or a wrong
     sum; ``check_bounds`` overrides. ``schedule``: a block schedule already built on the device
-    (the fused router builds it with the route table); built here otherwise."""
-    check_fused_inputs(x, table, weights, config, check_bounds=check_bounds)
-    S, D = x.shape
-    if out is None:
-        out = torch.empty(S, D, dtype=x.dtype, device=x.device)
-    else:
-        check_tensor("out", out, shape=(S, D), dtype=x.dtype, device=x.device)
-        if out.numel() and out.stride(-1) != 1:
-            raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
-    if S == 0:
-        return out
-    workspace = workspace or shared_workspace(x.device)
-    R = table.num_routes
-    tiles = tiles or choose_fused_tiles(config, R, x.device)
-    if schedule is not None and schedule.block_m != tiles.block_m:
-        raise ValueError(f"schedule was built for block_m={schedule.block_m}, "
-                         f"tiles use {tiles.block_m}")
-    num_slots = S * config.num_heads * config.top_k
-    rows = workspace.get("rows", (R, config.head_dim), torch.float32)
-    slot_route = workspace.get("slot_route", (num_slots,), torch.int32)
-    if R < num_slots:  # a partial (hand-built) table leaves slots without a route
-        slot_route.fill_(-1)
-    launch_route_rows(x, table, weights, config, rows, slot_route, tiles=tiles,
-                      workspace=workspace, schedule=schedule)
-    launch_topk_sum(rows, slot_route, out, config, tiles)
-    return out
+    (the fused router builds it with the route table); built here otherwise. Which kernels
+    run: :func:`fused_call`'s plan (:mod:`.plan`)."""
+    plan, call = fused_call(x, table, weights, config, out=out, tiles=tiles, workspace=workspace,
+                            schedule=schedule, check_bounds=check_bounds)
+    run_plan(plan, call)
+    return call.out
