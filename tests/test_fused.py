@@ -521,7 +521,7 @@ def cuda_only(device):
 
 
 def production_problem(device, heads=3, tokens=4096):
-    from magi_moe.benchmark import BenchCase, draw_problem
+    from magi_moe.bench.cases import BenchCase, draw_problem
     return draw_problem(BenchCase(heads, tokens, seed=5), device)
 
 
