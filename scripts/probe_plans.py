@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
 
@@ -134,11 +134,13 @@ def tiles(report):
         ws = F.FusedWorkspace(DEV)
         base = F.fused_forward(p.x, p.table, packed, p.config, tiles=tabled, workspace=ws).clone()
         cands = {"tabled": tabled}
-        for bm, w in ((128, 8), (64, 4)):
-            for bn in (16, 32, 64):
-                for st in (2, 3, 4):
-                    cands[f"bm{bm} bn{bn} w{w} st{st}"] = replace(
-                        tabled, block_m=bm, gu_block_n=bn, gu_warps=w, gu_stages=st)
+        for bm, w, bn, st, pp in ((128, 8, 32, 3, 1), (64, 4, 32, 3, 1), (64, 4, 32, 4, 1),
+                                  (64, 4, 16, 4, 1), (64, 4, 16, 3, 2), (64, 4, 16, 2, 2),
+                                  (64, 4, 32, 2, 2), (128, 8, 16, 2, 2), (64, 8, 32, 3, 1),
+                                  (64, 8, 32, 4, 1), (64, 4, 64, 2, 1)):
+            cands[f"bm{bm} bn{bn} w{w} st{st} pp{pp}"] = replace(
+                tabled, block_m=bm, gu_block_n=bn, gu_warps=w, gu_stages=st,
+                gu_programs_per_sm=pp)
         row = {}
         for name, t in cands.items():
             try:
@@ -154,6 +156,84 @@ def tiles(report):
     report["tiles"] = out
 
 
+def routing(report):
+    """The new top-k (one int64 key max per pick) against the previous router: the same
+    routes and probabilities bit for bit, and each one's time; routing tile candidates."""
+    import importlib.util
+    import pathlib
+
+    from magi_moe.kernels import fused_routing as FR
+
+    spec = importlib.util.spec_from_file_location(
+        "old_fused_routing", pathlib.Path(__file__).with_name("old_fused_routing.py"))
+    old = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(old)
+    out = {}
+    for case in (BenchCase(3, 512), BenchCase(3, 4096), BenchCase(3, 16384), BenchCase(12, 4096)):
+        p = draw_problem(case, DEV)
+        row = {}
+        ws_new, ws_old = F.FusedWorkspace(DEV), F.FusedWorkspace(DEV)
+        new = FR.fused_route(p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_new)
+        was = old.fused_route(p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_old)
+        row["same ids"] = bool(torch.equal(new.expert_ids, was.expert_ids))
+        row["same probs"] = bool(torch.equal(new.probs.view(torch.int32), was.probs.view(torch.int32)))
+        row["same table"] = bool(torch.equal(new.table.route_slots, was.table.route_slots))
+        row["old ms"] = round(median_ms(lambda: old.fused_route(
+            p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_old)), 4)
+        row["new ms"] = round(median_ms(lambda: FR.fused_route(
+            p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_new)), 4)
+        for bs, bd, w in ((16, 32, 4), (32, 32, 4), (32, 32, 8), (64, 32, 8), (16, 64, 4),
+                          (32, 64, 8), (64, 16, 8), (128, 32, 8)):
+            rt = FR.RoutingTiles(block_s=bs, block_d=bd, warps=w, place_warps=4)
+            try:
+                got = FR.fused_route(p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_new,
+                                     tiles=rt)
+                same = bool(torch.equal(got.probs.view(torch.int32), was.probs.view(torch.int32))
+                            and torch.equal(got.expert_ids, was.expert_ids))
+                ms = round(median_ms(lambda rt=rt: FR.fused_route(
+                    p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_new, tiles=rt)), 4)
+                row[f"s{bs} d{bd} w{w}"] = ms if same else f"{ms} (bits differ)"
+            except Exception as exc:  # noqa: BLE001
+                row[f"s{bs} d{bd} w{w}"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        out[case.label] = row
+        print(case.label, json.dumps(row), flush=True)
+    report["routing"] = out
+
+
+def host(report):
+    """Host time of one eager fused-layer call at S=512, with the top functions (cProfile)."""
+    import cProfile
+    import io
+    import pstats
+
+    from magi_moe.benchmark import _layer
+    from magi_moe.impls import FUSED
+
+    p = draw_problem(BenchCase(3, 512), DEV)
+    lay = _layer(p, FUSED)
+    for _ in range(10):
+        lay(p.x)
+    torch.cuda.synchronize()
+    n = 300
+    t0 = time.perf_counter()
+    for _ in range(n):
+        lay(p.x)
+    host_us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        lay(p.x)
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    buf2 = io.StringIO()
+    pstats.Stats(prof, stream=buf2).sort_stats("cumulative").print_stats(40)
+    report["host"] = {"us_per_call": round(host_us, 1), "tottime": buf.getvalue()[-6000:],
+                      "cumulative": buf2.getvalue()[-7000:]}
+
+
 if __name__ == "__main__":
     path = sys.argv[1]
     steps = (sys.argv[2] if len(sys.argv) > 2 else "invariance,layer,tiles").split(",")
@@ -162,7 +242,7 @@ if __name__ == "__main__":
         t0 = time.time()
         try:
             globals()[step](report)
-        except Exception as exc:  # noqa: BLE001 -- keep the other steps' results
+        except Exception:  # noqa: BLE001 -- keep the other steps' results
             import traceback
             report[step] = {"error": traceback.format_exc()[-3000:]}
         print(f"{step}: {time.time() - t0:.1f} s", flush=True)

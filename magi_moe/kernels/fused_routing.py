@@ -96,24 +96,27 @@ def router_topk_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + head * NUM_EXPERTS + e, mask=e_mask, other=0.0)
         selection = scores + bias[None, :]
-    finite_or_inf = selection == selection   # False for NaN
-
-    available = (s[:, None] >= 0) & e_mask[None, :]   # [BLOCK_S, E_PAD], all real experts
+    # Top-K as K max-reductions of one int64 key per (token, expert): the selection's bits in an
+    # order-preserving integer form above the complemented expert index, so the larger key is
+    # the higher selection and, among equal selections, the lower index (the tie rule of
+    # magi_moe.routing.select_experts). -0.0 is made +0.0 first (they are equal selections);
+    # NaN ranks strictly last, below -inf, the lower index first. Taken or padded experts get
+    # the smallest key. One reduction per pick, where comparing values and indices took four.
+    bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)         # signed order == float order
+    ordered = tl.where(selection == selection, ordered, -2147483648)  # NaN: below -inf
+    low = (E_PAD - 1 - e).to(tl.int64)
+    key = tl.where(e_mask[None, :] & (s[:, None] >= 0),
+                   (ordered.to(tl.int64) << 32) | low[None, :], -9223372036854775808)
     kk = tl.arange(0, K_PAD)
     chosen_ids = tl.zeros((BLOCK_S, K_PAD), dtype=tl.int32)
     chosen_p = tl.zeros((BLOCK_S, K_PAD), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        # Highest selection first, the lower index among equals; NaN strictly last (below -inf),
-        # the lower index among NaNs (the rule of magi_moe.routing.select_experts).
-        ranked = available & finite_or_inf
-        best = tl.max(tl.where(ranked, selection, float("-inf")), axis=1)
-        hit = ranked & (selection == best[:, None])
-        idx_ranked = tl.min(tl.where(hit, e[None, :], E_PAD), axis=1)
-        idx_nan = tl.min(tl.where(available, e[None, :], E_PAD), axis=1)
-        idx = tl.where(idx_ranked < E_PAD, idx_ranked, idx_nan)
+        best = tl.max(key, axis=1)
+        idx = E_PAD - 1 - best.to(tl.int32)  # the low word: the complemented index
         pick = e[None, :] == idx[:, None]
         p_k = tl.sum(tl.where(pick, scores, 0.0), axis=1)           # unbiased score
-        available = available & (e[None, :] != idx[:, None])
+        key = tl.where(pick, -9223372036854775808, key)
         chosen_ids = tl.where(kk[None, :] == k, idx[:, None], chosen_ids)
         chosen_p = tl.where(kk[None, :] == k, p_k[:, None], chosen_p)
 
@@ -128,7 +131,7 @@ def router_topk_kernel(
     tl.store(probs_ptr + out_offsets, chosen_p, mask=out_mask)
 
     # Routes per bank of this token block: the chosen (no longer available) real experts.
-    taken = e_mask[None, :] & s_mask[:, None] & (available == 0)
+    taken = e_mask[None, :] & s_mask[:, None] & (key == -9223372036854775808)
     counts = tl.sum(taken.to(tl.int32), axis=0)
     tl.store(block_counts_ptr + tb.to(tl.int64) * (NUM_HEADS * NUM_EXPERTS)
              + head * NUM_EXPERTS + e, counts, mask=e_mask)
