@@ -167,6 +167,8 @@ def routing(report):
     spec = importlib.util.spec_from_file_location(
         "old_fused_routing", pathlib.Path(__file__).with_name("old_fused_routing.py"))
     old = importlib.util.module_from_spec(spec)
+    import sys as _sys
+    _sys.modules["old_fused_routing"] = old  # dataclasses look their module up
     spec.loader.exec_module(old)
     out = {}
     for case in (BenchCase(3, 512), BenchCase(3, 4096), BenchCase(3, 16384), BenchCase(12, 4096)):
@@ -176,6 +178,10 @@ def routing(report):
         new = FR.fused_route(p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_new)
         was = old.fused_route(p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_old)
         row["same ids"] = bool(torch.equal(new.expert_ids, was.expert_ids))
+        row["rows with other ids"] = int((new.expert_ids != was.expert_ids).any(-1).sum())
+        same_rows = (new.expert_ids == was.expert_ids).all(-1)
+        rel = ((new.probs - was.probs).abs() / was.probs.abs().clamp_min(1e-30))[same_rows]
+        row["max rel probs diff (same ids)"] = float(rel.max()) if rel.numel() else 0.0
         row["same probs"] = bool(torch.equal(new.probs.view(torch.int32), was.probs.view(torch.int32)))
         row["same table"] = bool(torch.equal(new.table.route_slots, was.table.route_slots))
         row["old ms"] = round(median_ms(lambda: old.fused_route(
@@ -188,8 +194,8 @@ def routing(report):
             try:
                 got = FR.fused_route(p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_new,
                                      tiles=rt)
-                same = bool(torch.equal(got.probs.view(torch.int32), was.probs.view(torch.int32))
-                            and torch.equal(got.expert_ids, was.expert_ids))
+                same = bool(torch.equal(got.probs.view(torch.int32), new.probs.view(torch.int32))
+                            and torch.equal(got.expert_ids, new.expert_ids))
                 ms = round(median_ms(lambda rt=rt: FR.fused_route(
                     p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_new, tiles=rt)), 4)
                 row[f"s{bs} d{bd} w{w}"] = ms if same else f"{ms} (bits differ)"

@@ -65,6 +65,8 @@ def router_topk_kernel(
     ROUTE_NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee": the released router is fp32, not tf32
+    SPLIT_GATE: tl.constexpr,     # bf16 x: the fp32 gate as three bf16 parts on tensor cores
+    UPCAST: tl.constexpr,         # interpreter: its bf16 dot is wrong (CONTRACT 8)
 ):
     tb = tl.program_id(0)
     head = tl.program_id(1)
@@ -79,9 +81,28 @@ def router_topk_kernel(
     g_ptrs = gate_ptr + (head * NUM_EXPERTS + e)[None, :].to(tl.int64) * HEAD_DIM + d[:, None]
     logits = tl.zeros((BLOCK_S, E_PAD), dtype=tl.float32)
     for _ in range(0, HEAD_DIM // BLOCK_D):
-        xk = tl.load(x_ptrs, mask=s_mask[:, None], other=0.0).to(tl.float32)
+        xk = tl.load(x_ptrs, mask=s_mask[:, None], other=0.0)
         gk = tl.load(g_ptrs, mask=e_mask[None, :], other=0.0)
-        logits = tl.dot(xk, gk, logits, input_precision=DOT_PRECISION)
+        if SPLIT_GATE:
+            # gate = g1 + g2 + g3 exactly (three 8-bit significands cover fp32's 24), and each
+            # bf16 x bf16 product is exact in fp32: the logits are exact products summed in
+            # fp32, an fp32 dot like the FMA chain below, on tensor cores (the FMA form took
+            # 0.18 ms of the layer's 0.82 at S=4096, NOTES-perf.md).
+            g1 = gk.to(tl.bfloat16)
+            rest = gk - g1.to(tl.float32)
+            g2 = rest.to(tl.bfloat16)
+            g3 = (rest - g2.to(tl.float32)).to(tl.bfloat16)
+            if UPCAST:
+                xf = xk.to(tl.float32)
+                logits = tl.dot(xf, g3.to(tl.float32), logits, input_precision="ieee")
+                logits = tl.dot(xf, g2.to(tl.float32), logits, input_precision="ieee")
+                logits = tl.dot(xf, g1.to(tl.float32), logits, input_precision="ieee")
+            else:
+                logits = tl.dot(xk, g3, logits)
+                logits = tl.dot(xk, g2, logits)
+                logits = tl.dot(xk, g1, logits)
+        else:
+            logits = tl.dot(xk.to(tl.float32), gk, logits, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_D
         g_ptrs += BLOCK_D
 
@@ -320,6 +341,7 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
         BLOCK_S=tiles.block_s, BLOCK_D=tiles.block_d,
         SOFTMAX=config.score_func == "softmax", ROUTE_NORM=config.route_norm,
         HAS_BIAS=bias is not None, DOT_PRECISION="ieee",
+        SPLIT_GATE=x.dtype == torch.bfloat16, UPCAST=interpret,
         num_warps=tiles.warps,
     )
     bank_prefix_kernel[(triton.cdiv(HE, tiles.prefix_block_b),)](
