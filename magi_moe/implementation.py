@@ -27,7 +27,11 @@ Beside the forward it declares:
 - ``launcher``: a kernel-level entry with a caller-owned accumulator that lets the huge-offset
   fuzzer run tokens past 2^31 on lazily allocated memory (:class:`RowLauncher`);
 - ``prepare_weights``: what a serving stack does once before timing (e.g. packing), used by
-  the benchmark's kernel-level paths.
+  the benchmark's kernel-level paths;
+- ``router``: its own routing, ``router(x, gate, bias, config) -> Routes``, where it has one
+  (default: :func:`magi_moe.routing.route`). Every path that routes for this implementation
+  (``MagiMoE``'s generic path, expert parallelism, :meth:`Implementation.route`) takes it, so
+  a deterministic implementation's result does not depend on which path routed.
 """
 from __future__ import annotations
 
@@ -203,6 +207,7 @@ class Implementation:
     layer_forward: Callable[..., torch.Tensor] | None = None
     launcher: RowLauncher | None = None
     prepare_weights: Callable[..., Any] | None = None
+    router: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         from .backends import BACKENDS  # a leaf at import time; backends needs only torch
@@ -239,7 +244,7 @@ class Implementation:
             raise ValueError(f"Implementation {self.name!r}: a launcher writing "
                              f"{self.launcher.writes!r} contradicts deterministic="
                              f"{self.deterministic}: the huge fuzzer would test another variant")
-        for name in ("layer_factory", "layer_forward", "prepare_weights"):
+        for name in ("layer_factory", "layer_forward", "prepare_weights", "router"):
             _check_callable(self.name, name, getattr(self, name))
 
     @property
@@ -276,6 +281,16 @@ class Implementation:
         if missing:
             return f"{self.name} does not declare {', '.join(missing)}"
         return None
+
+    def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+              config: "MoEConfig"):
+        """This implementation's routing of ``x`` (its declared ``router``, else magi-moe's torch
+        router): a :class:`~magi_moe.routing.Routes`."""
+        if self.router is not None:
+            return self.router(x, gate, bias, config)
+        from .routing import route
+
+        return route(x, gate, bias, config)
 
     def layer(self, config: "MoEConfig", state_dict: Mapping[str, torch.Tensor],
               device=None) -> "nn.Module":

@@ -13,7 +13,7 @@ from .dispatch import choose_implementation
 from .implementation import Implementation, set_default_layer
 from .packed_weights import PackedWeightCache
 from .registry import get_implementation
-from .routing import build_route_table, route
+from .routing import build_route_table
 from .validation import check_bool, check_device, check_tensor
 from .weights import ExpertWeights
 
@@ -218,7 +218,7 @@ class MagiMoE(nn.Module):
             self._pin_for_graph()
         if impl.layer_forward is not None and self.weight_cache is not None:
             return impl.layer_forward(self, x)
-        routes = route(x, self.gate, self.selection_bias, cfg)
+        routes = impl.route(x, self.gate, self.selection_bias, cfg)
         table = build_route_table(routes, cfg)
         weights = self.expert_weights()
         if "strided_weights" not in impl.capabilities and not all(w.is_contiguous() for w in weights):

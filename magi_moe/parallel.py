@@ -41,7 +41,7 @@ from .config import MoEConfig
 from .debug import workspace
 from .dispatch import choose_implementation
 from .registry import Implementation, get_implementation
-from .routing import RouteTable, build_route_table, route
+from .routing import RouteTable, build_route_table
 from .validation import check_finite, check_tensor
 from .weights import ExpertWeights
 
@@ -135,6 +135,16 @@ def exchange_counts(num_tokens: int, group=None, *, device: torch.device | str =
     return [int(c) for c in torch.cat(counts).tolist()]
 
 
+def head_slots(x: torch.Tensor, shard: HeadShard, head_dim: int) -> torch.Tensor:
+    """``x [S, H*Dh]`` as every rank's head slots, ``[S, W, L*Dh]`` (padded slots zero): slot
+    block ``j`` is what rank ``j`` receives for these tokens."""
+    S, W, L = x.shape[0], shard.world_size, shard.heads_per_rank
+    heads = x.reshape(S, shard.num_heads, head_dim)
+    if W * L > shard.num_heads:
+        heads = F.pad(heads, (0, 0, 0, W * L - shard.num_heads))  # zero head slots
+    return heads.reshape(S, W, L * head_dim)
+
+
 def dispatch_heads(x: torch.Tensor, shard: HeadShard, head_dim: int, counts: list[int],
                    group=None) -> torch.Tensor:
     """Send ``x [S_r, H*Dh]``'s head slots to their owners; return ``[sum(counts), L*Dh]``.
@@ -143,10 +153,7 @@ def dispatch_heads(x: torch.Tensor, shard: HeadShard, head_dim: int, counts: lis
     order (source ``j``'s rows are ``sum(counts[:j]) : sum(counts[:j+1])``).
     """
     S, W, L = x.shape[0], shard.world_size, shard.heads_per_rank
-    heads = x.reshape(S, shard.num_heads, head_dim)
-    if W * L > shard.num_heads:
-        heads = F.pad(heads, (0, 0, 0, W * L - shard.num_heads))  # zero head slots
-    send = heads.reshape(S, W, L * head_dim).transpose(0, 1).contiguous()  # [W, S, L*Dh]: block j to rank j
+    send = head_slots(x, shard, head_dim).transpose(0, 1).contiguous()  # [W, S, L*Dh]: block j to rank j
     recv = workspace(sum(counts), L * head_dim, dtype=x.dtype, device=x.device)
     dist.all_to_all_single(recv, send.view(W * S, L * head_dim), output_split_sizes=list(counts),
                            input_split_sizes=[S] * W, group=group)
@@ -243,13 +250,22 @@ class ExpertParallelMoE:
         check_tensor("x", x, shape=(None, cfg.hidden_size), dtype=cfg.dtype, device=self.gate.device)
         counts = exchange_counts(x.shape[0], self.group, device=x.device)
         x_local = dispatch_heads(x, shard, Dh, counts, self.group)  # [T, L*Dh], all tokens
-        routes = route(x_local, self.gate, self.bias, self.local_config)
-        table = drop_padded_routes(build_route_table(routes, self.local_config), shard, cfg.top_k)
+        return combine_heads(self.local_forward(x_local).to(x.dtype), shard, Dh, counts, self.group)
+
+    def local_forward(self, x_local: torch.Tensor) -> torch.Tensor:
+        """This rank's part between the two exchanges: its head slots ``x_local [T, L*Dh]`` of
+        every token of the group routed (by the implementation's own router) and computed. No
+        collective, so one process can reproduce every rank's problem (the invariance tests do,
+        on one device)."""
+        routes = self.impl.route(x_local, self.gate, self.bias, self.local_config)
+        table = drop_padded_routes(build_route_table(routes, self.local_config), self.shard,
+                                   self.config.top_k)
         # NaN-filled under debug.poison_workspaces(): columns the implementation skips would show.
-        y_local = workspace(*x_local.shape, dtype=self.impl.output_dtype(x.dtype), device=x.device)
+        y_local = workspace(*x_local.shape, dtype=self.impl.output_dtype(x_local.dtype),
+                            device=x_local.device)
         with torch.no_grad():
             self.impl(x_local, table, self.weights, self.local_config, out=y_local)
-        return combine_heads(y_local.to(x.dtype), shard, Dh, counts, self.group)
+        return y_local
 
     __call__ = forward
 

@@ -23,7 +23,7 @@ from magi_moe.backends import BACKENDS
 from magi_moe.config import MoEConfig, preset
 from magi_moe.layer import MagiMoE
 from magi_moe.parallel import (CHECKPOINT_KEYS, ExpertParallelMoE, HeadShard, drop_padded_routes,
-                               group_shard, shard_state_dict)
+                               group_shard, head_slots, shard_state_dict)
 from magi_moe.registry import get_implementation
 from magi_moe.routing import build_route_table, validate_route_table
 from magi_moe.weights import random_weights
@@ -83,6 +83,7 @@ CPU_CASES = [
 INTERPRET_CASES = [
     EPCase("w3-tiny-native-det", preset("tiny"), (7, 0, 12), "native-det", seed=8),
     EPCase("w2-small-native", preset("small"), (3, 30), "native", seed=9),
+    EPCase("w2-softmax-fused", preset("small-softmax"), (40, 23), "fused", seed=16),
 ]
 # Production widths on 2 GPUs (scripts/gpu_ep.sh); E cut to 32 to keep the checkpoint small.
 GPU_CASES = [
@@ -93,6 +94,15 @@ GPU_CASES = [
     EPCase("nccl-h3-padded-native", preset("magi2-ep4-local").replace(num_experts=32), (777, 3319),
            "native", seed=13),
     EPCase("nccl-tiny-reference", preset("tiny"), (9, 4), "reference", seed=14),
+    # The fused path must keep the same promise (issue: 896 / 229 / 446 elements differed when
+    # EP routed with the torch router and the single-process fused layer with its own).
+    EPCase("nccl-h12-fused", preset("magi2-full").replace(num_experts=32), (1500, 2596), "fused",
+           seed=17),
+    EPCase("nccl-h3-padded-fused", preset("magi2-ep4-local").replace(num_experts=32), (777, 3319),
+           "fused", seed=18),
+    EPCase("nccl-h3-e256-fused", preset("magi2-ep4-local"), (4096, 4096), "fused", seed=19),
+    EPCase("nccl-h4-even-fused", preset("magi2-full").replace(num_heads=4, num_experts=32),
+           (1000, 1000), "fused", seed=20),
 ]
 
 
@@ -163,6 +173,57 @@ def _check_against_single_process(case: EPCase, out_dir: str, device: torch.devi
         # ulps of the largest output where terms cancel (atol).
         torch.testing.assert_close(ep.float(), single.float(), rtol=2.0 ** -7,
                                    atol=1e-5 * single.float().abs().max().item())
+
+
+# -- every rank's problem in one process -------------------------------------------------------
+# What a rank computes between the two exchanges needs no collective (``local_forward``), so one
+# device reproduces every rank of a group, and a deterministic implementation must give the
+# single-process layer's bits for its heads: the same promise as the multi-process tests, checked
+# where no second GPU (or no process group) is available. The per-rank problems differ from the
+# full one in head count, padded zero heads, sliced weights and route counts per bank.
+
+ONE_DEVICE_CASES = [  # (case, backend); tokens: counts[0]; world: len(counts)
+    (EPCase("w2-small-fused", preset("small"), (37, 0), "fused", seed=21), "interpret"),
+    (EPCase("w3-five-heads-fused", FIVE_HEADS, (29, 0, 0), "fused", "expert_bias", seed=22), "interpret"),
+    (EPCase("w2-softmax-fused", preset("small-softmax"), (300, 0), "fused", seed=23), "interpret"),
+    (EPCase("w3-tiny-native-det", preset("tiny"), (17, 0, 0), "native-det", seed=24), "interpret"),
+] + [(c, "cuda") for c in GPU_CASES if get_implementation(c.impl).deterministic] + [
+    (EPCase("h12-w4-fused", preset("magi2-full").replace(num_experts=32), (2048, 0, 0, 0), "fused",
+            seed=25), "cuda"),
+    (EPCase("h12-w8-fused", preset("magi2-full"), (4096,) + (0,) * 7, "fused", seed=26), "cuda"),
+]
+
+
+@pytest.mark.parametrize("case,backend", [
+    pytest.param(c, b, marks=[getattr(pytest.mark, b), pytest.mark.skipif(
+        BACKENDS[b].unavailable_reason() is not None,
+        reason=f"backend {b}: {BACKENDS[b].unavailable_reason()}")], id=f"{b}-{c.name}")
+    for c, b in ONE_DEVICE_CASES])
+def test_every_rank_on_one_device_equals_one_process_bitwise(case, backend):
+    from magi_moe.debug import poison_workspaces
+
+    cfg, Dh = case.config, case.config.head_dim
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    impl = get_implementation(case.impl)
+    assert impl.deterministic, "the bitwise promise is made for deterministic implementations"
+    ckpt = {k: v.to(device) for k, v in make_checkpoint(cfg, case.seed).items()}
+    x = make_tokens(case).to(device)
+    single = _single_process(case, device)
+    assert single.abs().max() > 0, "degenerate problem: the oracle output is all zero"
+    slots = head_slots(x, HeadShard(cfg.num_heads, case.world_size, 0), Dh)
+    for rank in range(case.world_size):
+        shard = HeadShard(cfg.num_heads, case.world_size, rank)
+        ep = ExpertParallelMoE(cfg, shard, shard_state_dict(ckpt, cfg, shard), impl=impl,
+                               bias_source=case.bias_source)
+        with poison_workspaces():
+            y_local = ep.local_forward(slots[:, rank].contiguous()).to(cfg.dtype).cpu()
+        got = y_local[:, :shard.num_real * Dh]
+        want = single[:, shard.start * Dh:shard.stop * Dh]
+        assert torch.isfinite(got).all(), f"rank {rank}: unwritten (NaN) output elements"
+        mismatch = (got.view(torch.int16) != want.view(torch.int16)).sum().item()
+        assert mismatch == 0, (f"rank {rank} of {case.world_size} (heads {shard.start}:{shard.stop}"
+                               f" + {shard.num_padded} padded): {mismatch} of {got.numel()} "
+                               f"elements differ bitwise from one process")
 
 
 # -- layout and loading, no processes ---------------------------------------------------------

@@ -523,6 +523,7 @@ def fused_call(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, confi
         empty = torch.empty(0, device=x.device)
         return LaunchPlan((), tiles or INTERPRETER_TILES, device_facts(x.device), 0), FusedCall(
             x, table, weights, config, workspace, None, empty, empty, out)
+    workspace.note_capture()
     tiles = tiles or choose_fused_tiles(config, R, x.device)
     call = FusedCall(x, table, weights, config, workspace,
                      _call_schedule(table, config, tiles, workspace, schedule),

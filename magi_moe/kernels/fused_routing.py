@@ -65,6 +65,8 @@ def router_topk_kernel(
     ROUTE_NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee": the released router is fp32, not tf32
+    SPLIT_GATE: tl.constexpr,     # bf16 x: the fp32 gate as three bf16 parts on tensor cores
+    UPCAST: tl.constexpr,         # interpreter: its bf16 dot is wrong (CONTRACT 8)
 ):
     tb = tl.program_id(0)
     head = tl.program_id(1)
@@ -79,9 +81,28 @@ def router_topk_kernel(
     g_ptrs = gate_ptr + (head * NUM_EXPERTS + e)[None, :].to(tl.int64) * HEAD_DIM + d[:, None]
     logits = tl.zeros((BLOCK_S, E_PAD), dtype=tl.float32)
     for _ in range(0, HEAD_DIM // BLOCK_D):
-        xk = tl.load(x_ptrs, mask=s_mask[:, None], other=0.0).to(tl.float32)
+        xk = tl.load(x_ptrs, mask=s_mask[:, None], other=0.0)
         gk = tl.load(g_ptrs, mask=e_mask[None, :], other=0.0)
-        logits = tl.dot(xk, gk, logits, input_precision=DOT_PRECISION)
+        if SPLIT_GATE:
+            # gate = g1 + g2 + g3 exactly (three 8-bit significands cover fp32's 24), and each
+            # bf16 x bf16 product is exact in fp32: the logits are exact products summed in
+            # fp32, an fp32 dot like the FMA chain below, on tensor cores (the FMA form took
+            # 0.18 ms of the layer's 0.82 at S=4096, NOTES-perf.md).
+            g1 = gk.to(tl.bfloat16)
+            rest = gk - g1.to(tl.float32)
+            g2 = rest.to(tl.bfloat16)
+            g3 = (rest - g2.to(tl.float32)).to(tl.bfloat16)
+            if UPCAST:
+                xf = xk.to(tl.float32)
+                logits = tl.dot(xf, g3.to(tl.float32), logits, input_precision="ieee")
+                logits = tl.dot(xf, g2.to(tl.float32), logits, input_precision="ieee")
+                logits = tl.dot(xf, g1.to(tl.float32), logits, input_precision="ieee")
+            else:
+                logits = tl.dot(xk, g3, logits)
+                logits = tl.dot(xk, g2, logits)
+                logits = tl.dot(xk, g1, logits)
+        else:
+            logits = tl.dot(xk.to(tl.float32), gk, logits, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_D
         g_ptrs += BLOCK_D
 
@@ -96,24 +117,27 @@ def router_topk_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + head * NUM_EXPERTS + e, mask=e_mask, other=0.0)
         selection = scores + bias[None, :]
-    finite_or_inf = selection == selection   # False for NaN
-
-    available = (s[:, None] >= 0) & e_mask[None, :]   # [BLOCK_S, E_PAD], all real experts
+    # Top-K as K max-reductions of one int64 key per (token, expert): the selection's bits in an
+    # order-preserving integer form above the complemented expert index, so the larger key is
+    # the higher selection and, among equal selections, the lower index (the tie rule of
+    # magi_moe.routing.select_experts). -0.0 is made +0.0 first (they are equal selections);
+    # NaN ranks strictly last, below -inf, the lower index first. Taken or padded experts get
+    # the smallest key. One reduction per pick, where comparing values and indices took four.
+    bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)         # signed order == float order
+    ordered = tl.where(selection == selection, ordered, -2147483648)  # NaN: below -inf
+    low = (E_PAD - 1 - e).to(tl.int64)
+    key = tl.where(e_mask[None, :] & (s[:, None] >= 0),
+                   (ordered.to(tl.int64) << 32) | low[None, :], -9223372036854775808)
     kk = tl.arange(0, K_PAD)
     chosen_ids = tl.zeros((BLOCK_S, K_PAD), dtype=tl.int32)
     chosen_p = tl.zeros((BLOCK_S, K_PAD), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        # Highest selection first, the lower index among equals; NaN strictly last (below -inf),
-        # the lower index among NaNs (the rule of magi_moe.routing.select_experts).
-        ranked = available & finite_or_inf
-        best = tl.max(tl.where(ranked, selection, float("-inf")), axis=1)
-        hit = ranked & (selection == best[:, None])
-        idx_ranked = tl.min(tl.where(hit, e[None, :], E_PAD), axis=1)
-        idx_nan = tl.min(tl.where(available, e[None, :], E_PAD), axis=1)
-        idx = tl.where(idx_ranked < E_PAD, idx_ranked, idx_nan)
+        best = tl.max(key, axis=1)
+        idx = E_PAD - 1 - best.to(tl.int32)  # the low word: the complemented index
         pick = e[None, :] == idx[:, None]
         p_k = tl.sum(tl.where(pick, scores, 0.0), axis=1)           # unbiased score
-        available = available & (e[None, :] != idx[:, None])
+        key = tl.where(pick, -9223372036854775808, key)
         chosen_ids = tl.where(kk[None, :] == k, idx[:, None], chosen_ids)
         chosen_p = tl.where(kk[None, :] == k, p_k[:, None], chosen_p)
 
@@ -128,7 +152,7 @@ def router_topk_kernel(
     tl.store(probs_ptr + out_offsets, chosen_p, mask=out_mask)
 
     # Routes per bank of this token block: the chosen (no longer available) real experts.
-    taken = e_mask[None, :] & s_mask[:, None] & (available == 0)
+    taken = e_mask[None, :] & s_mask[:, None] & (key == -9223372036854775808)
     counts = tl.sum(taken.to(tl.int32), axis=0)
     tl.store(block_counts_ptr + tb.to(tl.int64) * (NUM_HEADS * NUM_EXPERTS)
              + head * NUM_EXPERTS + e, counts, mask=e_mask)
@@ -250,6 +274,7 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
     if R >= 2**31:
         raise ValueError(f"{S} tokens give {R} routes; the route table's int32 fields need < 2^31")
     workspace = workspace or shared_workspace(x.device)
+    workspace.note_capture()
     tiles = (tiles or choose_routing_tiles(config, x.device)).fitted(config)
     HE = config.num_banks
     TB = triton.cdiv(S, tiles.block_s)
@@ -281,6 +306,7 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
         BLOCK_S=tiles.block_s, BLOCK_D=tiles.block_d,
         SOFTMAX=config.score_func == "softmax", ROUTE_NORM=config.route_norm,
         HAS_BIAS=bias is not None, DOT_PRECISION="ieee",
+        SPLIT_GATE=x.dtype == torch.bfloat16, UPCAST=interpret,
         num_warps=tiles.warps,
     )
     bank_prefix_kernel[(triton.cdiv(HE, tiles.prefix_block_b),)](

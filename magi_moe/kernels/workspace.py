@@ -22,11 +22,23 @@ class FusedWorkspace:
         self.device = torch.device(device)
         self._buffers: dict[str, torch.Tensor] = {}
         self.allocations = 0
+        # Once a CUDA graph captured calls on this workspace, a buffer it replaced may still be
+        # written by a replay: such buffers are kept (never handed back to the allocator).
+        self.captured = False
+        self._retired: list[torch.Tensor] = []
+
+    def note_capture(self) -> None:
+        """Call once per forward: remembers that a CUDA graph is capturing calls on this
+        workspace (about a microsecond of host time; nothing on a CPU)."""
+        if not self.captured and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.captured = True
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            if buf is not None and self.captured:
+                self._retired.append(buf)
             buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
             self._buffers[name] = buf
             self.allocations += 1

@@ -1,0 +1,351 @@
+"""Fused routing: router logits, scores, biased top-k with the tie rule, L1 normalisation, route
+scale and the CSR route table, on the device, in four launches and no host synchronisation.
+
+1. ``router_topk_kernel``, grid ``(cdiv(S, BLOCK_S), H)``: fp32 logits for a block of tokens of
+   one head, ``sigmoid`` or ``softmax`` scores, selection ``score + bias``, top-K highest first
+   (ties: lower expert index; NaN selection strictly last, as :mod:`magi_moe.routing`), the unbiased
+   probabilities normalised and scaled; ``expert_ids`` / ``probs`` ``[S, H, K]`` and this block's
+   route count per bank (``block_counts [TB, H*E]``).
+2. ``bank_prefix_kernel``, grid ``(cdiv(H*E, BLOCK_B),)``: for every bank, the exclusive prefix
+   of ``block_counts`` over token blocks (where this block's routes start inside the bank) and
+   the bank's total.
+3. :func:`magi_moe.kernels.fused.block_schedule_kernel` with ``FROM_COUNTS``: the CSR offsets
+   from the totals, and the expert kernels' block schedule in the same launch.
+4. ``place_routes_kernel``, grid ``(cdiv(S, BLOCK_S), H)``: every route's CSR position, offsets
+   + block prefix + its rank among this block's routes to the same bank (tokens in order), so the
+   table is the stable sort by bank of :func:`magi_moe.routing.build_route_table`, exactly.
+
+No atomics: positions are prefix sums, so the table is the same bitwise on every run. All
+buffers come from a :class:`~magi_moe.kernels.fused.FusedWorkspace` sized by upper bounds known
+on the host; the returned table's tensors are views into it, valid until the next call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+import torch
+import triton
+from torch.autograd.graph import increment_version
+import triton.language as tl
+
+from magi_moe.backends import interpreter_enabled
+from magi_moe.config import MoEConfig
+from magi_moe.routing import NORM_EPS, RouteTable
+from magi_moe.validation import check_kernel_device, check_same_device, check_tensor
+from magi_moe.kernels.schedule import BlockSchedule, launch_block_schedule
+from magi_moe.kernels.tiles import load_device_entry
+from magi_moe.kernels.workspace import FusedWorkspace, shared_workspace
+
+NORM_EPS_VALUE = tl.constexpr(NORM_EPS)
+
+
+@triton.jit
+def router_topk_kernel(
+    # pointers
+    x_ptr,            # [S, H*Dh] bf16/fp16/fp32, unit stride in the last dim
+    gate_ptr,         # [H*E, Dh] fp32 router weights, contiguous
+    bias_ptr,         # [H*E] fp32 selection bias (read only if HAS_BIAS)
+    ids_ptr,          # [S, H, K] int32 out: chosen experts, highest selection first
+    probs_ptr,        # [S, H, K] fp32 out: routing weights
+    block_counts_ptr,  # [TB, H*E] int32 out: this token block's routes per bank
+    # sizes
+    num_tokens,
+    stride_x,
+    route_scale,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    # tiles and modes
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SOFTMAX: tl.constexpr,
+    ROUTE_NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee": the released router is fp32, not tf32
+):
+    tb = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tb.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    s_mask = s < num_tokens
+    e = tl.arange(0, E_PAD)
+    e_mask = e < NUM_EXPERTS
+    d = tl.arange(0, BLOCK_D)
+
+    # logits[s, e] = x[s, head, :] . gate[head*E + e, :] in fp32
+    x_ptrs = x_ptr + s[:, None] * stride_x + head * HEAD_DIM + d[None, :]
+    g_ptrs = gate_ptr + (head * NUM_EXPERTS + e)[None, :].to(tl.int64) * HEAD_DIM + d[:, None]
+    logits = tl.zeros((BLOCK_S, E_PAD), dtype=tl.float32)
+    for _ in range(0, HEAD_DIM // BLOCK_D):
+        xk = tl.load(x_ptrs, mask=s_mask[:, None], other=0.0).to(tl.float32)
+        gk = tl.load(g_ptrs, mask=e_mask[None, :], other=0.0)
+        logits = tl.dot(xk, gk, logits, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_D
+        g_ptrs += BLOCK_D
+
+    if SOFTMAX:
+        masked = tl.where(e_mask[None, :], logits, float("-inf"))
+        shifted = masked - tl.max(masked, axis=1)[:, None]
+        num = tl.exp(shifted)
+        scores = num / tl.sum(num, axis=1)[:, None]
+    else:
+        scores = tl.sigmoid(logits)
+    selection = scores
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + head * NUM_EXPERTS + e, mask=e_mask, other=0.0)
+        selection = scores + bias[None, :]
+    finite_or_inf = selection == selection   # False for NaN
+
+    available = (s[:, None] >= 0) & e_mask[None, :]   # [BLOCK_S, E_PAD], all real experts
+    kk = tl.arange(0, K_PAD)
+    chosen_ids = tl.zeros((BLOCK_S, K_PAD), dtype=tl.int32)
+    chosen_p = tl.zeros((BLOCK_S, K_PAD), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        # Highest selection first, the lower index among equals; NaN strictly last (below -inf),
+        # the lower index among NaNs (the rule of magi_moe.routing.select_experts).
+        ranked = available & finite_or_inf
+        best = tl.max(tl.where(ranked, selection, float("-inf")), axis=1)
+        hit = ranked & (selection == best[:, None])
+        idx_ranked = tl.min(tl.where(hit, e[None, :], E_PAD), axis=1)
+        idx_nan = tl.min(tl.where(available, e[None, :], E_PAD), axis=1)
+        idx = tl.where(idx_ranked < E_PAD, idx_ranked, idx_nan)
+        pick = e[None, :] == idx[:, None]
+        p_k = tl.sum(tl.where(pick, scores, 0.0), axis=1)           # unbiased score
+        available = available & (e[None, :] != idx[:, None])
+        chosen_ids = tl.where(kk[None, :] == k, idx[:, None], chosen_ids)
+        chosen_p = tl.where(kk[None, :] == k, p_k[:, None], chosen_p)
+
+    if ROUTE_NORM:
+        denom = tl.maximum(tl.sum(chosen_p, axis=1), NORM_EPS_VALUE)
+        chosen_p = chosen_p / denom[:, None]
+    chosen_p = chosen_p * route_scale
+
+    out_offsets = (s[:, None] * NUM_HEADS + head) * TOP_K + kk[None, :]
+    out_mask = s_mask[:, None] & (kk[None, :] < TOP_K)
+    tl.store(ids_ptr + out_offsets, chosen_ids, mask=out_mask)
+    tl.store(probs_ptr + out_offsets, chosen_p, mask=out_mask)
+
+    # Routes per bank of this token block: the chosen (no longer available) real experts.
+    taken = e_mask[None, :] & s_mask[:, None] & (available == 0)
+    counts = tl.sum(taken.to(tl.int32), axis=0)
+    tl.store(block_counts_ptr + tb.to(tl.int64) * (NUM_HEADS * NUM_EXPERTS)
+             + head * NUM_EXPERTS + e, counts, mask=e_mask)
+
+
+
+@triton.jit
+def bank_prefix_kernel(
+    block_counts_ptr,  # [TB, H*E] int32 routes per (token block, bank)
+    prefix_ptr,        # [TB, H*E] int32 out: routes of the bank in earlier token blocks
+    totals_ptr,        # [H*E] int32 out: routes per bank
+    num_blocks,
+    num_banks,
+    BLOCK_TB: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    f = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    f_mask = f < num_banks
+    carry = tl.zeros((BLOCK_B,), dtype=tl.int32)
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
+    t0 = 0
+    while t0 < num_blocks:
+        t = t0 + tl.arange(0, BLOCK_TB)
+        m = (t < num_blocks)[:, None] & f_mask[None, :]
+        offs = t.to(tl.int64)[:, None] * num_banks + f[None, :]
+        c = tl.load(block_counts_ptr + offs, mask=m, other=0)
+        inclusive = tl.cumsum(c, axis=0)
+        tl.store(prefix_ptr + offs, carry[None, :] + inclusive - c, mask=m)
+        carry += tl.sum(c, axis=0)
+        t0 += BLOCK_TB
+    tl.store(totals_ptr + f, carry, mask=f_mask)
+
+
+@triton.jit
+def place_routes_kernel(
+    ids_ptr,           # [S, H, K] int32 chosen experts
+    probs_ptr,         # [S, H, K] fp32 routing weights
+    prefix_ptr,        # [TB, H*E] int32 from bank_prefix_kernel
+    offsets_ptr,       # [H*E + 1] int64 CSR offsets
+    gather_ptr,        # [R] int32 out: token of each route (CSR order)
+    sorted_probs_ptr,  # [R] fp32 out
+    route_slots_ptr,   # [R] int64 out: slot (s*H + h)*K + k of each route
+    num_tokens,
+    NUM_HEADS: tl.constexpr,
+    NUM_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    tb = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tb.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    s_mask = s < num_tokens
+    e = tl.arange(0, E_PAD)
+    e_mask = e < NUM_EXPERTS
+
+    # chosen[s, e]: token s routes to expert e of this head (at most once per token).
+    slot0 = (s * NUM_HEADS + head) * TOP_K
+    chosen = tl.zeros((BLOCK_S, E_PAD), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        id_k = tl.load(ids_ptr + slot0 + k, mask=s_mask, other=-1)
+        chosen += (e[None, :] == id_k[:, None]).to(tl.int32)
+    # Rank among this block's routes to the same bank: earlier tokens first (stable order).
+    rank = tl.cumsum(chosen, axis=0) - chosen
+    bank0 = head * NUM_EXPERTS
+    for k in tl.static_range(TOP_K):
+        id_k = tl.load(ids_ptr + slot0 + k, mask=s_mask, other=0)
+        rank_k = tl.sum(tl.where(e[None, :] == id_k[:, None], rank, 0), axis=1)
+        bank = bank0 + id_k
+        base = tl.load(offsets_ptr + bank, mask=s_mask, other=0) + tl.load(
+            prefix_ptr + tb.to(tl.int64) * (NUM_HEADS * NUM_EXPERTS) + bank, mask=s_mask, other=0)
+        pos = base + rank_k
+        tl.store(gather_ptr + pos, s.to(tl.int32), mask=s_mask)
+        tl.store(sorted_probs_ptr + pos, tl.load(probs_ptr + slot0 + k, mask=s_mask, other=0.0),
+                 mask=s_mask)
+        tl.store(route_slots_ptr + pos, slot0 + k, mask=s_mask)
+
+
+@dataclass(frozen=True)
+class RoutingTiles:
+    block_s: int = 32
+    block_d: int = 64
+    warps: int = 8
+    place_warps: int = 8
+    prefix_block_tb: int = 64
+    prefix_block_b: int = 32
+
+    def fitted(self, config: MoEConfig) -> "RoutingTiles":
+        """block_d shrunk to a power of two dividing Dh (a multiple of 16), so no masks."""
+        block_d = min(self.block_d, 1 << (config.head_dim.bit_length() - 1))
+        while config.head_dim % block_d:
+            block_d //= 2
+        return RoutingTiles(**{**self.__dict__, "block_d": max(block_d, 16)})
+
+
+INTERPRETER_ROUTING_TILES = RoutingTiles(block_s=64, block_d=256, warps=1,
+                                         place_warps=1, prefix_block_tb=256, prefix_block_b=256)
+
+
+@lru_cache(maxsize=None)
+def choose_routing_tiles(config: MoEConfig, device: torch.device) -> RoutingTiles:
+    """The interpreter's tiles on the CPU; on a GPU the swept ones of ``tiles/fused.json``
+    (``routing`` in the GPU's entry) when there are any, else the defaults."""
+    if device.type != "cuda":
+        tiles = INTERPRETER_ROUTING_TILES
+    else:
+        entry = load_device_entry(torch.cuda.get_device_name(device))
+        known = {f.name for f in fields(RoutingTiles)}
+        swept = (entry or {}).get("routing") or {}
+        tiles = RoutingTiles(**{k: v for k, v in swept.items() if k in known})
+    return tiles.fitted(config)
+
+
+@dataclass(frozen=True)
+class FusedRoutes:
+    """What the fused router produced: per-token choices and the CSR table built from them.
+
+    ``expert_ids`` int32 ``[S, H, K]`` and ``probs`` fp32 ``[S, H, K]`` as
+    :class:`magi_moe.routing.Routes`; ``table`` the CSR table; ``schedule`` the expert kernels'
+    block schedule for ``block_m``. All are views into the workspace."""
+
+    expert_ids: torch.Tensor
+    probs: torch.Tensor
+    table: RouteTable
+    schedule: BlockSchedule | None
+
+
+def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+                config: MoEConfig, *, block_m: int | None = None,
+                workspace: FusedWorkspace | None = None,
+                tiles: RoutingTiles | None = None) -> FusedRoutes:
+    """Route ``x`` ``[S, H*Dh]`` with ``gate`` ``[H*E, Dh]`` fp32 and ``bias`` ``[H*E]`` fp32.
+
+    ``block_m``: also build the expert kernels' block schedule for this row block (one launch
+    fewer than building it in :func:`~magi_moe.kernels.fused.fused_forward`)."""
+    H, E, K, Dh = config.num_heads, config.num_experts, config.top_k, config.head_dim
+    check_tensor("x", x, shape=(None, config.hidden_size),
+                 dtype=(torch.bfloat16, torch.float16, torch.float32))
+    check_tensor("gate", gate, shape=(config.num_banks, Dh), dtype=torch.float32)
+    if x.numel() and x.stride(-1) != 1:
+        raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
+    if not gate.is_contiguous():
+        raise ValueError("gate must be contiguous")
+    if bias is not None:
+        check_tensor("bias", bias, shape=(config.num_banks,), dtype=torch.float32)
+        if not bias.is_contiguous():
+            raise ValueError("bias must be contiguous")
+        check_same_device(x=x, gate=gate, bias=bias)
+    else:
+        check_same_device(x=x, gate=gate)
+    check_kernel_device("x", x)
+    S = x.shape[0]
+    R = S * H * K
+    if R >= 2**31:
+        raise ValueError(f"{S} tokens give {R} routes; the route table's int32 fields need < 2^31")
+    workspace = workspace or shared_workspace(x.device)
+    workspace.note_capture()
+    tiles = (tiles or choose_routing_tiles(config, x.device)).fitted(config)
+    HE = config.num_banks
+    TB = triton.cdiv(S, tiles.block_s)
+    ids = workspace.get("route_ids", (S, H, K), torch.int32)
+    probs = workspace.get("route_probs", (S, H, K), torch.float32)
+    block_counts = workspace.get("route_block_counts", (TB, HE), torch.int32)
+    prefix = workspace.get("route_prefix", (TB, HE), torch.int32)
+    totals = workspace.get("route_totals", (HE,), torch.int32)
+    offsets = workspace.get("route_offsets", (HE + 1,), torch.int64)
+    gather_ids = workspace.get("route_gather_ids", (R,), torch.int32)
+    sorted_probs = workspace.get("route_sorted_probs", (R,), torch.float32)
+    route_slots = workspace.get("route_slots", (R,), torch.int64)
+    # The kernels below rewrite these buffers without moving their version counters: move them
+    # here, so a table returned by an earlier call (views of the same buffers) loses its trust.
+    if not torch.compiler.is_compiling():  # traced tables are never trusted (RouteTable.mark_trusted)
+        for buffer in (offsets, gather_ids, sorted_probs, route_slots):
+            increment_version(buffer)
+    table = RouteTable(gather_ids, sorted_probs, offsets, route_slots, S, H, E, K).mark_trusted()
+    if S == 0:
+        offsets.zero_()
+        return FusedRoutes(ids, probs, table, None)
+
+    interpret = interpreter_enabled()
+    router_topk_kernel[(TB, H)](
+        x, gate, bias if bias is not None else gate, ids, probs, block_counts,
+        S, x.stride(0), float(config.route_scale),
+        NUM_HEADS=H, HEAD_DIM=Dh, NUM_EXPERTS=E, E_PAD=max(16, triton.next_power_of_2(E)),
+        TOP_K=K, K_PAD=max(2, triton.next_power_of_2(K)),
+        BLOCK_S=tiles.block_s, BLOCK_D=tiles.block_d,
+        SOFTMAX=config.score_func == "softmax", ROUTE_NORM=config.route_norm,
+        HAS_BIAS=bias is not None, DOT_PRECISION="ieee",
+        num_warps=tiles.warps,
+    )
+    bank_prefix_kernel[(triton.cdiv(HE, tiles.prefix_block_b),)](
+        block_counts, prefix, totals, TB, HE,
+        BLOCK_TB=tiles.prefix_block_tb, BLOCK_B=tiles.prefix_block_b,
+        num_warps=4 if not interpret else 1,
+    )
+    schedule = launch_block_schedule(offsets, R, HE, block_m or 16, workspace, counts=totals)
+    place_routes_kernel[(TB, H)](
+        ids, probs, prefix, offsets, gather_ids, sorted_probs, route_slots, S,
+        NUM_HEADS=H, NUM_EXPERTS=E, E_PAD=max(16, triton.next_power_of_2(E)), TOP_K=K,
+        BLOCK_S=tiles.block_s, num_warps=tiles.place_warps,
+    )
+    return FusedRoutes(ids, probs, table, schedule if block_m is not None else None)
+
+
+def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+                        weights, config: MoEConfig, *, out: torch.Tensor | None = None,
+                        workspace: FusedWorkspace | None = None) -> torch.Tensor:
+    """The whole layer on the fused path: :func:`fused_route` (which also builds the block
+    schedule) then :func:`~magi_moe.kernels.fused.fused_forward`. Seven launches, no host
+    synchronisation, no allocation once warm except ``out`` when not given."""
+    from magi_moe.kernels.fused import choose_fused_tiles, fused_forward
+
+    workspace = workspace or shared_workspace(x.device)
+    tiles = choose_fused_tiles(config, x.shape[0] * config.num_heads * config.top_k, x.device)
+    routes = fused_route(x, gate, bias, config, block_m=tiles.block_m, workspace=workspace)
+    # The table was built on the device just now and nothing ran since: no value check (it
+    # would cost a sync), also for inference tensors, whose changes no version counter records.
+    return fused_forward(x, routes.table, weights, config, out=out, tiles=tiles,
+                         workspace=workspace, schedule=routes.schedule, check_bounds=False)
