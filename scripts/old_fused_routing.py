@@ -340,7 +340,8 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     """The whole layer on the fused path: :func:`fused_route` (which also builds the block
     schedule) then :func:`~magi_moe.kernels.fused.fused_forward`. Seven launches, no host
     synchronisation, no allocation once warm except ``out`` when not given."""
-    from magi_moe.kernels.fused import choose_fused_tiles, fused_forward
+    from magi_moe.kernels.fused import fused_forward
+    from magi_moe.kernels.tiles import choose_fused_tiles
 
     workspace = workspace or shared_workspace(x.device)
     tiles = choose_fused_tiles(config, x.shape[0] * config.num_heads * config.top_k, x.device)

@@ -16,15 +16,16 @@ def banked_problem(w: torch.Tensor) -> str | None:
     """Why no descriptor can view ``w`` ``[banks, rows, cols]`` as ``[banks * rows, cols]``,
     or None when one can."""
     banks, rows, _ = w.shape
-    size = w.element_size()
-    if w.stride(2) != 1:
-        return f"last dim not contiguous (strides {tuple(w.stride())})"
-    if w.stride(0) != rows * w.stride(1):
-        return f"banks not evenly spaced by rows (strides {tuple(w.stride())})"
+    strides = w.stride()
+    row_bytes = strides[1] * w.element_size()
+    if strides[2] != 1:
+        return f"last dim not contiguous (strides {strides})"
+    if strides[0] != rows * strides[1]:
+        return f"banks not evenly spaced by rows (strides {strides})"
     if banks * rows >= 2**31:
         return f"{banks * rows} rows >= 2^31"
-    if (w.stride(1) * size) % 16:
-        return f"row stride of {w.stride(1) * size} bytes not a multiple of 16"
+    if row_bytes % 16:
+        return f"row stride of {row_bytes} bytes not a multiple of 16"
     if w.data_ptr() % 16:
         return "base address not 16-byte aligned"
     return None

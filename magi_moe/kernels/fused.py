@@ -277,7 +277,7 @@ class FusedCall:
     table: RouteTable
     weights: ExpertWeights
     config: MoEConfig
-    workspace: FusedWorkspace
+    workspace: FusedWorkspace | None
     schedule: BlockSchedule | None
     rows: torch.Tensor
     slot_route: torch.Tensor
@@ -517,12 +517,11 @@ def fused_call(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, confi
         check_tensor("out", out, shape=(S, D), dtype=x.dtype, device=x.device)
         if out.numel() and out.stride(-1) != 1:
             raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
-    workspace = workspace or shared_workspace(x.device)
     R = table.num_routes
-    if S == 0:
-        empty = torch.empty(0, device=x.device)
+    if S == 0:  # nothing to launch: the empty out stands in for the buffers no step reads
         return LaunchPlan((), tiles or INTERPRETER_TILES, device_facts(x.device), 0), FusedCall(
-            x, table, weights, config, workspace, None, empty, empty, out)
+            x, table, weights, config, workspace, None, out, out, out)
+    workspace = workspace or shared_workspace(x.device)
     workspace.note_capture()
     tiles = tiles or choose_fused_tiles(config, R, x.device)
     call = FusedCall(x, table, weights, config, workspace,

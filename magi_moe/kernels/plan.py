@@ -24,13 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import triton
-
 from ..config import MoEConfig
 from ..weights import ExpertWeights
 from .descriptors import banked_problem, matrix_rows_problem
 from .device import DeviceFacts, persistent_grid
-from .schedule import max_blocks, schedule_programs
+from .schedule import cdiv, max_blocks, schedule_programs
 from .tiles import FusedTiles, two_kernel_tiles
 
 SCHEDULE = "block_schedule_kernel"
@@ -191,6 +189,6 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
     sums = not rows_only and num_tokens > 0
     if sums:
         pairs = num_tokens * config.num_heads
-        steps.append(LaunchStep(TOPK_SUM, triton.cdiv(pairs, tiles.sum_block_t), tiles))
+        steps.append(LaunchStep(TOPK_SUM, cdiv(pairs, tiles.sum_block_t), tiles))
     clear = sums and num_routes < num_tokens * config.num_heads * config.top_k
     return LaunchPlan(tuple(steps), tiles, facts, nb, tuple(reasons), clear, act_rows)

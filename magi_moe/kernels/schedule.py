@@ -84,10 +84,16 @@ def block_schedule_kernel(
         chunk += tl.num_programs(0)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a JIT callable: microseconds a call,
+    and the launch plan is made on every forward)."""
+    return -(-a // b)
+
+
 def max_blocks(num_routes: int, num_banks: int, block_m: int) -> int:
     """Upper bound on ``sum_f cdiv(count_f, block_m)`` known without reading the counts: each
     nonempty bank wastes less than one block, and at most ``min(H*E, R)`` banks are nonempty."""
-    return triton.cdiv(num_routes, block_m) + min(num_banks, num_routes)
+    return cdiv(num_routes, block_m) + min(num_banks, num_routes)
 
 
 @dataclass(frozen=True)
@@ -118,12 +124,13 @@ def schedule_buffers(workspace: FusedWorkspace, num_routes: int, num_banks: int,
 def _launch_shape(num_blocks_bound: int, num_banks: int,
                   device: torch.device | DeviceFacts) -> tuple[int, int, int, int]:
     """(programs, slots per program, warps, padded bank count) of one schedule launch."""
-    pad = max(16, triton.next_power_of_2(num_banks))
+    pad = max(16, 1 << (num_banks - 1).bit_length())  # a power of two >= num_banks
     # Each program holds a [slots, banks] ownership mask: about 64 elements per thread on a
     # GPU; the interpreter pays per program, so it takes larger ones.
-    slots = 64 if interpreter_enabled() else max(1, min(64, 16384 // pad))
-    warps = 1 if interpreter_enabled() else 8
-    return persistent_grid(triton.cdiv(num_blocks_bound, slots), 2, device), slots, warps, pad
+    interpreted = interpreter_enabled()
+    slots = 64 if interpreted else max(1, min(64, 16384 // pad))
+    warps = 1 if interpreted else 8
+    return persistent_grid(cdiv(num_blocks_bound, slots), 2, device), slots, warps, pad
 
 
 def schedule_programs(num_routes: int, num_banks: int, block_m: int, facts: DeviceFacts) -> int:
