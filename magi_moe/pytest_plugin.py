@@ -65,8 +65,7 @@ def pytest_collection_modifyitems(config, items):
         return
     keep, drop = [], []
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        (keep if callspec is not None and "impl_backend" in callspec.params else drop).append(item)
+        (keep if _impl_pair(item)[0] else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
@@ -116,6 +115,17 @@ def impl_backend_params(config, *, needs: tuple[str, ...] = (), kernels_only: bo
     return params
 
 
+def _impl_pair(item) -> tuple[bool, ImplOnBackend | None]:
+    """Whether ``item`` tests an implementation, and its pair: a test parametrized by
+    ``impl_backend`` (``None`` when no pair was selected), or one with another parameter holding
+    an :class:`ImplOnBackend` (the fuzz properties' rows build their own pairs)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "impl_backend" in params:
+        return True, params["impl_backend"]
+    pair = next((v for v in params.values() if isinstance(v, ImplOnBackend)), None)
+    return pair is not None, pair
+
+
 def pytest_generate_tests(metafunc):
     if "impl_backend" not in metafunc.fixturenames:
         return
@@ -142,9 +152,8 @@ def pytest_pyfunc_call(pyfuncitem):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    callspec = getattr(item, "callspec", None)
-    if report.when in ("setup", "call") and callspec is not None and "impl_backend" in callspec.params:
-        pair = callspec.params["impl_backend"]
+    is_impl_test, pair = _impl_pair(item)
+    if report.when in ("setup", "call") and is_impl_test:
         # user_properties travel with the report, also from xdist workers
         report.user_properties.append(
             (_IMPL_PROPERTY, pair.impl.name if isinstance(pair, ImplOnBackend) else ""))
