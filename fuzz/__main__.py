@@ -35,7 +35,7 @@ def replay_main(argv: list[str]) -> int:
     record = _load_record(args.record)
     if record.get("backend") == "interpret":
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-    from .properties import replay
+    from .fuzzers import replay
     from .record import REPLAY_UNAVAILABLE, DeviceFault, PropertyViolation
 
     print(f"replaying {record.get('property')} on {record.get('impl') or record.get('router')}"
@@ -56,16 +56,16 @@ def replay_main(argv: list[str]) -> int:
 
 def list_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m fuzz list",
-                                     description="The properties a campaign can run (--properties).")
+                                     description="The properties a campaign can run (--properties): "
+                                                 "the records of fuzz.fuzzers.PROPERTIES.")
     parser.parse_args(argv)
     from magi_moe.text_tables import format_table
 
-    from .properties import PROPERTIES
-    rows = []
-    for name, prop in PROPERTIES.items():
-        doc = " ".join((prop.check.__doc__ or "").split())
-        rows.append([name, ", ".join(prop.needs), doc.split(": ")[0].split(". ")[0].rstrip(".")])
-    print(format_table(["property", "needs", "checks"], rows))
+    from .fuzzers import PROPERTIES
+    rows = [[p.name, p.on.name + (" (kernels only)" if p.kernels_only else ""), ", ".join(p.needs),
+             f"{p.examples:g}", p.summary] for p in PROPERTIES.values()]
+    print(format_table(["property", "runs on", "needs", "share of examples", "checks"], rows,
+                       numeric_columns=(3,)))
     return 0
 
 

@@ -41,6 +41,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from . import database as fuzz_db
+from .fuzzers import PROPERTIES
 from .huge import REPO_ROOT, child_env
 from .record import REPLAY_UNAVAILABLE
 from .profiles import FUZZ_DATABASE
@@ -51,7 +52,7 @@ __all__ = ["DEFAULT_TESTS", "build_pytest_command", "campaign_main", "rerun_main
 # relative to REPO_ROOT, where the campaign's pytest runs.
 _TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 DEFAULT_TESTS = tuple(str((_TESTS_DIR / name).relative_to(REPO_ROOT)) for name in (
-    "test_fuzz_properties.py", "test_fuzz_huge.py", "test_fuzz_stateful.py"))
+    "test_fuzz_properties.py", "test_fuzz_stateful.py"))
 PROFILES = ("nightly", "dev", "ci")
 OTHER_COMMANDS = """other commands (each takes --help):
   python -m fuzz replay RECORD|FILE                  replay one recorded case exactly; exit 1 if it still fails
@@ -82,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default="nightly", choices=PROFILES, help="settings the campaign derives from")
     p.add_argument("--workers", type=int, default=1, help="pytest-xdist workers (one per core or GPU)")
     p.add_argument("--properties", action="append", default=[],
-                   help="comma-separated properties (default: all; see python -m fuzz list)")
+                   help=f"comma-separated properties (default: all): {', '.join(PROPERTIES)} (python -m fuzz "
+                        "list describes them), and weight_swaps (the weight-swap state machine)")
     p.add_argument("--round-examples", type=int, default=25, help="examples per round of one test")
     p.add_argument("--case-timeout", type=float, default=600.0, help="seconds after which a case is a hang")
     p.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="fuzz test files")
@@ -436,9 +438,9 @@ def _summary(args, *, backend: str, seed: int, start: float, returncode: int, ou
     for nodeid in targets:
         s = stats.get(nodeid, {})
         test = outcome.get(nodeid, {})
-        per_target.append({"target": nodeid, "outcome": test.get("outcome", "not run"),
-                           "rounds": s.get("rounds", 0), "cases": s.get("cases", 0),
-                           "seconds": s.get("seconds", 0.0), "worker": s.get("worker"),
+        per_target.append({"target": nodeid, "property": s.get("property"), "impl": s.get("impl"),
+                           "outcome": test.get("outcome", "not run"), "rounds": s.get("rounds", 0),
+                           "cases": s.get("cases", 0), "seconds": s.get("seconds", 0.0), "worker": s.get("worker"),
                            "first_failure_case": s.get("first_failure_case"),
                            **({"reason": test["reason"]} if test.get("reason") else {})})
     failed_tests = sum(t["outcome"] in ("failed", "error") for t in tests)
@@ -602,16 +604,11 @@ def campaign_main(argv: list[str]) -> int:
 
 def _kernels_fuzzed(summary: dict) -> bool:
     """Did a target of an implementation under test (not the oracle or the baseline) run a case?
-    Targets are named ``...[impl@backend]``; router targets (tie rule) do not count."""
+    Router targets (the tie rule) name no implementation and do not count."""
     from magi_moe.impls import BASELINE, REFERENCE
 
-    for row in summary["targets"]:
-        label = row["target"].rsplit("[", 1)[-1].rstrip("]")
-        impl = label.split("@")[0]
-        if row["cases"] > 0 and "@" in label and "tie_rule" not in row["target"] \
-                and impl not in (REFERENCE.name, BASELINE.name):
-            return True
-    return False
+    return any(row["cases"] > 0 and row.get("impl") not in (None, REFERENCE.name, BASELINE.name)
+               for row in summary["targets"])
 
 
 def _forget_fixed_nodes(db, findings: list[dict], summary: dict) -> None:

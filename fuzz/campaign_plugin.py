@@ -2,9 +2,10 @@
 
 It turns the ordinary fuzz tests into time-boxed campaign items:
 
-* selects the fuzz targets (tests marked with :func:`fuzz.properties.campaign_target`) of the
-  chosen properties, deselects everything else, and orders them as the runner says (targets
-  with known failures first, then the list rotated: ``--fuzz-order``), the same on every worker;
+* selects the fuzz targets (tests marked with :func:`fuzz.fuzzers.campaign_target`: the rows
+  of the one property test, and the weight-swap machine) of the chosen properties, deselects
+  everything else, and orders them as the runner says (targets with known failures first,
+  then the list rotated: ``--fuzz-order``), the same on every worker;
 * loads the ``campaign`` Hypothesis profile (nightly's settings, the campaign's database from
   :mod:`fuzz.database`, a per-round example budget) before the test modules are imported; with
   ``--fuzz-replay-only`` the profile only replays the (read-only) database and generates nothing;
@@ -129,7 +130,24 @@ def _start_watchdog(timeout: float) -> None:
 
 
 def _property_of(item) -> str | None:
-    return getattr(getattr(item, "obj", None), "fuzz_property", None)
+    """The property a fuzz target runs (:func:`fuzz.fuzzers.campaign_target`): the name of the
+    record in its row's parameter, else the one the test was marked with; None: no target."""
+    fn = getattr(item, "obj", None)
+    marked = getattr(fn, "fuzz_property", None)
+    param = getattr(fn, "fuzz_property_param", None)
+    if marked is None or param is None:
+        return marked
+    record = getattr(getattr(item, "callspec", None), "params", {}).get(param)
+    return getattr(record, "name", marked)
+
+
+def _impl_of(item) -> str | None:
+    """The implementation under test of an item (None: a router, or none)."""
+    from magi_moe.pytest_plugin import ImplOnBackend
+
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    pair = next((v for v in params.values() if isinstance(v, ImplOnBackend)), None)
+    return pair.impl.name if pair is not None else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -204,7 +222,7 @@ def _seed_rounds(seed: int) -> None:
 
 def _write_stats(out: Path, item, **stats) -> None:
     _write_json(out / "stats" / f"{_slug(item.nodeid)}.json",
-                {"nodeid": item.nodeid, "property": _property_of(item), **stats})
+                {"nodeid": item.nodeid, "property": _property_of(item), "impl": _impl_of(item), **stats})
 
 
 @contextlib.contextmanager

@@ -321,13 +321,7 @@ def drop_banks(table: RouteTable, banks: tuple[int, ...] | list[int]) -> RouteTa
     keep_bank = torch.ones_like(counts, dtype=torch.bool)
     keep_bank[torch.as_tensor(list(banks), dtype=torch.long, device=counts.device)] = False
     bank_of_route = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
-    keep = keep_bank[bank_of_route]
-    new_counts = torch.where(keep_bank, counts, torch.zeros_like(counts))
-    offsets = torch.zeros_like(table.offsets)
-    torch.cumsum(new_counts, 0, out=offsets[1:])
-    return RouteTable(table.gather_ids[keep], table.sorted_probs[keep], offsets,
-                      table.route_slots[keep], table.num_tokens, table.num_heads,
-                      table.num_experts, table.top_k)
+    return table.select(keep_bank[bank_of_route])
 
 
 def build_problem(case: ExpertCase, device: str | torch.device = "cpu") -> Problem:

@@ -1,30 +1,13 @@
-"""The properties every implementation must have, as plain functions of (target, case).
+"""The checks every implementation (and router) must pass, as plain functions of (target, case).
 
 Each check builds the case's tensors, runs the implementation into a NaN-poisoned output, and
 raises :class:`~fuzz.record.PropertyViolation` (whose message ends with a one-line reproduction
-command) when the property fails; it returns a dict of metrics otherwise. The tests wrap them in
-``@given``; the campaign runner runs those tests; ``python -m fuzz replay`` calls them directly.
+command) when the property fails; it returns a dict of metrics otherwise. Each is declared once,
+with the strategy that feeds it, as a :class:`~fuzz.fuzzers.Property` record in
+:data:`fuzz.fuzzers.PROPERTIES`, which the tests, the campaign runner and ``python -m fuzz
+replay`` read.
 
-========================  =====================================================================
-property                  what must hold
-========================  =====================================================================
-``differential``          agreement with the float64 oracle on the same routes, within
-                          :mod:`fuzz.tolerance`'s bound (2x the plain bf16 baseline's error +
-                          a noise floor); no unwritten (poisoned) element; the error ratio is
-                          pushed up with ``hypothesis.target``
-``tie_rule``              the router: exact ties go to the lower expert index, which also
-                          comes first; NaN last (checked against a brute-force Python ranking)
-``token_permutation``     permuting the tokens permutes the output rows (within rounding)
-``head_locality``         a head's output depends only on its own slice of x, bank and routes
-``linearity``             doubling every routing weight doubles the output: exactly for the
-                          float64 oracle and deterministic paths, within rounding otherwise
-``empty_experts``         (token, head) pairs left without any route give exactly zero; the
-                          rest still agree with the oracle
-``zero_tokens``           zero tokens, and a table whose experts are all empty, run and give
-                          an empty / all-zero output
-``deterministic``         bitwise identical output across runs and CPU thread counts
-``huge_offsets``          tokens past 2^31 / row stride (:mod:`fuzz.huge`, in a child process)
-========================  =====================================================================
+``python -m fuzz list`` prints them, one line each (the first sentence of each check's docstring).
 """
 from __future__ import annotations
 
@@ -49,13 +32,11 @@ from .record import PropertyViolation, in_flight
 from .tolerance import judge, rounding_mismatch, unit_roundoff
 
 __all__ = [
-    "PROPERTIES", "Property", "Target", "campaign_target", "check_deterministic",
-    "check_differential", "check_empty_experts", "check_head_locality", "check_huge_offsets",
-    "check_linearity", "check_tie_rule", "check_token_permutation", "check_zero_tokens",
-    "load_router", "make_target", "replay", "spec_for", "target_for",
+    "RouterTarget", "Target", "check_deterministic", "check_differential", "check_empty_experts",
+    "check_head_locality", "check_huge_offsets", "check_linearity", "check_tie_rule",
+    "check_token_permutation", "check_zero_tokens", "load_router", "make_router_target",
+    "make_target", "spec_for", "target_for",
 ]
-
-DEFAULT_ROUTER = "magi_moe.routing:route"
 
 
 @dataclass(frozen=True)
@@ -90,6 +71,37 @@ def make_target(impl: str | Implementation, backend: str | Backend, *, spec: str
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be a name or a Backend, got {type(backend).__name__}")
     return Target(impl, backend, spec or impl.name)
+
+
+@dataclass(frozen=True)
+class RouterTarget:
+    """A router ``route(x, gate, bias, config) -> Routes`` under test on one backend. ``spec``
+    (``package.module:attr``) is how a replay loads it; ``name`` labels it in test ids."""
+
+    spec: str
+    backend: Backend
+    name: str = ""
+
+    @property
+    def device(self) -> str:
+        return self.backend.device
+
+    def skip_reason(self, needs: tuple[str, ...] = ()) -> str | None:
+        why = self.backend.unavailable_reason()
+        return f"backend {self.backend.name} unavailable: {why}" if why else None
+
+    def __str__(self) -> str:
+        return f"{self.name or self.spec}@{self.backend.name}"
+
+
+def make_router_target(spec: str, backend: str | Backend = "cpu", *, name: str = "") -> RouterTarget:
+    """``spec``: ``package.module:attr`` of a router; ``backend``: a name or a Backend."""
+    if not isinstance(spec, str) or ":" not in spec:
+        raise ValueError(f"router must look like 'package.module:attr', got {spec!r}")
+    backend = get_backend(backend) if isinstance(backend, str) else backend
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a name or a Backend, got {type(backend).__name__}")
+    return RouterTarget(spec, backend, name)
 
 
 def spec_for(impl: Implementation) -> str:
@@ -134,13 +146,6 @@ def load_router(spec: str) -> Callable[..., Routes]:
     if not module or not attr:
         raise ValueError(f"router must look like 'package.module:attr', got {spec!r}")
     return getattr(importlib.import_module(module), attr)
-
-
-def campaign_target(test):
-    """Mark a test as a fuzz target: the campaign runner runs it under the property name
-    ``test.__name__`` without its ``test_`` prefix."""
-    test.fuzz_property = test.__name__.removeprefix("test_")
-    return test
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -208,7 +213,8 @@ def _differential(target: Target, problem: Problem, out: torch.Tensor, record: d
 # -- the properties -----------------------------------------------------------------------------------
 def check_differential(target: Target, case: ExpertCase) -> dict:
     """Agreement with the float64 oracle on the same routes, within the audited bound; every
-    output element written."""
+    output element written. (The bound: :mod:`fuzz.tolerance`; the error ratio is pushed up
+    with ``hypothesis.target``.)"""
     record = _record("differential", target, case)
     with in_flight(record):
         problem = build_problem(case, target.device)
@@ -415,16 +421,18 @@ def _near_tie(a: float, b: float) -> bool:
     return abs(a - b) <= 16 * unit_roundoff(torch.float32) * max(abs(a), abs(b), 2.0**-10)
 
 
-def check_tie_rule(router: str, case: TieCase, *, device: str = "cpu") -> dict:
-    """The router's tie rule (exact ties to the lower index, first; NaN last). ``router``
-    (``package.module:attr``) is checked against a brute-force ranking of the selection scores it
-    must have used, ``scores + bias`` in fp32 from ``magi_moe.routing``'s own functions."""
+def check_tie_rule(router: RouterTarget, case: TieCase) -> dict:
+    """The router's tie rule (exact ties to the lower index, first; NaN last). The router is
+    checked against a brute-force ranking of the selection scores it must have used,
+    ``scores + bias`` in fp32 from ``magi_moe.routing``'s own functions."""
+    if not isinstance(router, RouterTarget):
+        raise TypeError(f"router must be a RouterTarget (make_router_target), got {type(router).__name__}")
     cfg = case.config
-    record = {"property": "tie_rule", "router": router, "backend": device,
+    record = {"property": "tie_rule", "router": router.spec, "backend": router.backend.name,
               "case": case_to_dict(case), "params": {}}
     with in_flight(record):
-        route_fn = load_router(router)
-        x, gate, bias = build_router_inputs(case, device)
+        route_fn = load_router(router.spec)
+        x, gate, bias = build_router_inputs(case, router.device)
         routes = route_fn(x, gate, bias, cfg)
         H, E, K, S = cfg.num_heads, cfg.num_experts, cfg.top_k, case.num_tokens
         if tuple(routes.expert_ids.shape) != (S, H, K):
@@ -502,43 +510,3 @@ def check_huge_offsets(target: Target, case: HugeCase, *, timeout: float = 600) 
             raise PropertyViolation(f"the child process exited with {result.returncode} on a shape "
                                     f"{target.impl.name} supports: {result.output_tail[-1500:]}", record)
         return result.result
-
-
-@dataclass(frozen=True)
-class Property:
-    name: str
-    check: Callable[..., dict]
-    needs: tuple[str, ...] = ()
-
-
-PROPERTIES: dict[str, Property] = {p.name: p for p in (
-    Property("differential", check_differential),
-    Property("tie_rule", check_tie_rule),
-    Property("token_permutation", check_token_permutation),
-    Property("head_locality", check_head_locality),
-    Property("linearity", check_linearity),
-    Property("empty_experts", check_empty_experts),
-    Property("zero_tokens", check_zero_tokens),
-    Property("deterministic", check_deterministic, needs=("deterministic",)),
-    Property("huge_offsets", check_huge_offsets, needs=("int64_offsets",)),
-)}
-
-
-def replay(record: dict) -> dict:
-    """Run the check a record names, on its case and parameters; raises on failure."""
-    from .cases import case_from_dict
-
-    name = record.get("property")
-    if name not in PROPERTIES:
-        raise ValueError(f"record property must be one of {sorted(PROPERTIES)}, got {name!r}")
-    case = case_from_dict(record["case"])
-    params = record.get("params", {})
-    if name == "tie_rule":
-        device = "cuda" if record.get("backend") == "cuda" else "cpu"
-        return check_tie_rule(record.get("router", DEFAULT_ROUTER), case, device=device, **params)
-    target = make_target(record["impl"], record["backend"])
-    why = target.backend.unavailable_reason()
-    if why:
-        raise RuntimeError(f"cannot replay on backend {target.backend.name}: {why}")
-    return PROPERTIES[name].check(target, case, **params)
-

@@ -6,6 +6,13 @@ boundaries (127/128/129, and 4095/4096/4097 when the budget allows), zero and on
 expert, ``top_k == num_experts``.
 
 Every strategy draws a *description* (see :mod:`fuzz.cases`); tensors are built from it.
+
+Strategies take strategies for their parts (xarray's style): ``expert_cases(configs=configs(...),
+tokens=..., routings=..., values=..., empty_banks=...)``. A part that depends on an earlier draw
+is a function of it returning a strategy (``tokens=lambda config: token_counts(config,
+min_tokens=1)``); a part that does not may be a plain strategy (``tokens=st.just(4)``). The
+plain-value arguments (``dtypes=``, ``min_tokens=``, ``routing_kinds=``, ...) remain as
+shorthands for the common parts; giving a part both ways is refused.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ from .cases import (ROUTING_KINDS, TIE_KINDS, X_DISTRIBUTIONS, ExpertCase, HugeC
 
 __all__ = [
     "AWKWARD_TOKEN_COUNTS", "Limits", "configs", "empty_bank_sets", "expert_cases", "huge_cases",
-    "limits_for", "routing_specs", "tie_cases", "token_counts", "value_specs",
+    "huge_configs", "limits_for", "routing_specs", "tie_cases", "token_counts", "value_specs",
 ]
 
 AWKWARD_TOKEN_COUNTS = (0, 1, 2, 3, 15, 16, 17, 63, 64, 65, 127, 128, 129, 4095, 4096, 4097)
@@ -101,12 +108,11 @@ def _check_shapes(shapes) -> ShapeRule:
 def configs(*, budget: float = 1.0, dtypes=(torch.bfloat16,), score_funcs=SCORE_FUNCS,
             shapes: ShapeRule = ANY_SHAPE) -> st.SearchStrategy[MoEConfig]:
     """Layer configurations: one head or several, one expert or many, ``top_k`` from 1 to E;
-    widths drawn from those ``shapes`` (an implementation's declared rule) accepts."""
+    widths drawn from those ``shapes`` (an implementation's declared rule) accepts.
+    ``dtypes`` and ``score_funcs``: a strategy, or the values to sample from."""
     lim = Limits(budget)
-    dtypes = _check_dtypes(dtypes)
-    score_funcs = tuple(score_funcs)
-    if not score_funcs or any(s not in SCORE_FUNCS for s in score_funcs):
-        raise ValueError(f"score_funcs must be a non-empty subset of {SCORE_FUNCS}, got {score_funcs}")
+    dtypes = _part(dtypes, _check_dtypes)
+    score_funcs = _part(score_funcs, lambda v: _check_kinds(v, SCORE_FUNCS, "score_funcs"))
     return _configs(lim, dtypes, score_funcs, _check_shapes(shapes))
 
 
@@ -122,17 +128,33 @@ def _configs(draw, lim: Limits, dtypes, score_funcs, shapes: ShapeRule) -> MoECo
     inter = draw(_pick_widths(inters, (16, 48, 128, 1280)))
     return MoEConfig(
         num_heads=heads, head_dim=head_dim, num_experts=experts, top_k=top_k,
-        intermediate_size=inter, score_func=draw(st.sampled_from(score_funcs)),
+        intermediate_size=inter, score_func=draw(score_funcs),
         route_norm=draw(st.booleans()), route_scale=draw(st.sampled_from([1.0, 2.5, 4.9])),
-        dtype=draw(st.sampled_from(dtypes)),
+        dtype=draw(dtypes),
     )
+
+
+def _part(value, check) -> st.SearchStrategy:
+    """A strategy given as such, or the values to sample from (checked by ``check``)."""
+    if isinstance(value, st.SearchStrategy):
+        return value
+    return st.sampled_from(check(value))
+
+
+def _per_draw(value, what: str):
+    """A part that may depend on an earlier draw: a function returning a strategy, or a plain
+    strategy (the same whatever was drawn before)."""
+    if isinstance(value, st.SearchStrategy):
+        return lambda _drawn: value
+    if callable(value):
+        return value
+    raise TypeError(f"{what} must be a strategy or a function returning one, got {type(value).__name__}")
 
 
 def token_counts(config: MoEConfig, *, budget: float = 1.0, min_tokens: int = 0) -> st.SearchStrategy[int]:
     """Token counts for ``config``, awkward ones favoured, capped by the budget's route count."""
     _check_config(config)
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
-        raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
+    _check_min_tokens(min_tokens)
     lim = Limits(budget)
     per_token = config.num_heads * config.top_k
     hi = max(min_tokens, min(lim.max_tokens, lim.max_routes // per_token))
@@ -141,13 +163,14 @@ def token_counts(config: MoEConfig, *, budget: float = 1.0, min_tokens: int = 0)
 
 def routing_specs(config: MoEConfig, *, kinds=ROUTING_KINDS) -> st.SearchStrategy[RoutingSpec]:
     """Route patterns: the router, hot experts, mostly-empty experts, negative logits, one odd
-    head, exact ties (see :data:`fuzz.cases.ROUTING_KINDS`)."""
+    head, exact ties (see :data:`fuzz.cases.ROUTING_KINDS`). ``kinds``: a strategy, or the
+    kinds to sample from."""
     _check_config(config)
-    kinds = _check_kinds(kinds, ROUTING_KINDS)
+    kinds = _part(kinds, lambda v: _check_kinds(v, ROUTING_KINDS))
     E, K = config.num_experts, config.top_k
     return st.builds(
         RoutingSpec,
-        kind=st.sampled_from(kinds),
+        kind=kinds,
         seed=_seeds,
         gate_std=st.sampled_from([0.25, 0.02, 2.0]),
         bias_std=st.sampled_from([0.05, 0.0, 1.0]),
@@ -201,34 +224,46 @@ def empty_bank_sets(config: MoEConfig) -> st.SearchStrategy[tuple[int, ...]]:
 PRODUCTION_HEAD_DIM, PRODUCTION_INTERMEDIATE, PRODUCTION_HEADS = 256, 1280, (3, 12)
 
 
-def huge_cases(*, shapes: ShapeRule = ANY_SHAPE, config: MoEConfig | None = None,
-               max_extra_tokens: int = 4096,
-               production: bool = True) -> st.SearchStrategy[HugeCase]:
+def huge_cases(*, configs: st.SearchStrategy[MoEConfig] | None = None, shapes: ShapeRule | None = None,
+               config: MoEConfig | None = None, max_extra_tokens: int = 4096,
+               production: bool | None = None) -> st.SearchStrategy[HugeCase]:
     """Cases with at least one routed token past the int32 boundary ``2^31 / (H*Dh)``, often
     mixed in one block with tokens below it (token 0, the boundary's neighbours, the last token).
 
-    Widths come from inside ``shapes`` (the implementation's declared rule): small ones, and
-    with ``production`` the released widths (``Dh=256``, ``I=1280``, ``H`` 3 or 12, a few
-    experts), so a kernel restricted to wide heads still gets tokens past 2^31 where it runs.
-    ``config`` pins one configuration."""
+    ``configs``: the configurations to cross the boundary with. By default widths come from
+    inside ``shapes`` (the implementation's declared rule): small ones, and with ``production``
+    (the default) the released widths (``Dh=256``, ``I=1280``, ``H`` 3 or 12, a few experts), so
+    a kernel restricted to wide heads still gets tokens past 2^31 where it runs. ``config``
+    pins one configuration (``configs=st.just(config)``)."""
     if isinstance(max_extra_tokens, bool) or not isinstance(max_extra_tokens, int) or max_extra_tokens < 1:
         raise ValueError(f"max_extra_tokens must be an int >= 1, got {max_extra_tokens!r}")
+    if configs is not None:
+        _refuse_both("configs", shapes=shapes, config=config, production=production)
+        return _huge_cases(_check_strategy(configs, "configs"), max_extra_tokens)
     if config is not None:
+        _refuse_both("config", shapes=shapes, production=production)
         _check_config(config)
         return _huge_cases(st.just(config), max_extra_tokens)
+    return _huge_cases(huge_configs(shapes=ANY_SHAPE if shapes is None else shapes,
+                                    production=production is not False), max_extra_tokens)
+
+
+def huge_configs(*, shapes: ShapeRule = ANY_SHAPE, production: bool = True) -> st.SearchStrategy[MoEConfig]:
+    """Configurations for :func:`huge_cases`: small widths inside ``shapes``, and with
+    ``production`` the released ones (as close as ``shapes`` allows)."""
     shapes = _check_shapes(shapes)
     head_dims, inters = _accepted_widths(shapes, (4 * WIDTH_MULTIPLE, 4 * WIDTH_MULTIPLE))
     small = _huge_configs(st.integers(1, 3), st.sampled_from(head_dims), st.sampled_from(inters),
                           shapes)
     if not production:
-        return _huge_cases(small, max_extra_tokens)
+        return small
     wide_dims = [d for d in (PRODUCTION_HEAD_DIM,) if d in shapes.head_dims(d, d)] or \
         shapes.head_dims(PRODUCTION_HEAD_DIM, 4096)[:1] or head_dims[-1:]
     wide_inters = [i for i in (PRODUCTION_INTERMEDIATE,) if i in shapes.intermediate_sizes(i, i)] or \
         shapes.intermediate_sizes(PRODUCTION_INTERMEDIATE, 8192)[:1]
     wide = _huge_configs(st.sampled_from(PRODUCTION_HEADS), st.sampled_from(wide_dims),
                          st.sampled_from(wide_inters), shapes, max_experts=2)
-    return _huge_cases(st.one_of(small, wide), max_extra_tokens)
+    return st.one_of(small, wide)
 
 
 @st.composite
@@ -257,6 +292,12 @@ def _check_config(config) -> None:
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
 
 
+def _check_strategy(value, what: str) -> st.SearchStrategy:
+    if not isinstance(value, st.SearchStrategy):
+        raise TypeError(f"{what} must be a Hypothesis strategy, got {type(value).__name__}")
+    return value
+
+
 def _check_kinds(kinds, allowed, what="kinds") -> tuple[str, ...]:
     kinds = tuple(kinds)
     if not kinds or any(k not in allowed for k in kinds):
@@ -264,51 +305,106 @@ def _check_kinds(kinds, allowed, what="kinds") -> tuple[str, ...]:
     return kinds
 
 
-def expert_cases(*, budget: float = 1.0, dtypes=(torch.bfloat16,), routing_kinds=ROUTING_KINDS,
-                 min_tokens: int = 0, empty_banks: bool = False,
-                 config: MoEConfig | None = None,
-                 shapes: ShapeRule = ANY_SHAPE) -> st.SearchStrategy[ExpertCase]:
-    """Expert-computation cases (shape, routes, values). ``empty_banks=True`` also empties
-    some banks by hand; ``config`` pins the configuration; ``shapes`` (an implementation's
-    declared rule) bounds the widths drawn."""
+def _check_min_tokens(min_tokens) -> int:
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
+        raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
+    return min_tokens
+
+
+def _refuse_both(part: str, **shorthands) -> None:
+    """A part given as a strategy leaves no room for the shorthands that would build it."""
+    given = [name for name, value in shorthands.items() if value is not None]
+    if given:
+        raise ValueError(f"give {part} or {', '.join(given)}, not both")
+
+
+def expert_cases(*, budget: float = 1.0, configs: st.SearchStrategy[MoEConfig] | None = None,
+                 tokens=None, routings=None, values=None, empty_banks=False,
+                 dtypes=None, shapes: ShapeRule | None = None, config: MoEConfig | None = None,
+                 min_tokens: int | None = None, routing_kinds=None) -> st.SearchStrategy[ExpertCase]:
+    """Expert-computation cases (shape, routes, values), drawn part by part:
+
+    * ``configs``: the configurations (default: :func:`configs` with ``dtypes`` and ``shapes``,
+      an implementation's declared rule; ``config`` pins one);
+    * ``tokens``: the token count, given the config (default: :func:`token_counts` from
+      ``min_tokens``);
+    * ``routings``: the route pattern, given the config (default: :func:`routing_specs` of
+      ``routing_kinds``);
+    * ``values``: the inputs and weights, given the token count (default: :func:`value_specs`);
+    * ``empty_banks``: banks emptied by hand, given the config; ``True`` for
+      :func:`empty_bank_sets`, ``False`` (the default) for none.
+    """
     Limits(budget)
-    _check_dtypes(dtypes)
-    routing_kinds = _check_kinds(routing_kinds, ROUTING_KINDS, "routing_kinds")
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
-        raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
-    if config is not None:
+    if configs is not None:
+        _refuse_both("configs", dtypes=dtypes, shapes=shapes, config=config)
+        configs_ = _check_strategy(configs, "configs")
+    elif config is not None:
+        _refuse_both("config", dtypes=dtypes, shapes=shapes)
         _check_config(config)
-    return _expert_cases(budget, tuple(dtypes), routing_kinds, min_tokens, bool(empty_banks), config,
-                         _check_shapes(shapes))
+        configs_ = st.just(config)
+    else:
+        configs_ = _default_configs(budget, dtypes=dtypes, shapes=shapes)
+    if tokens is not None:
+        _refuse_both("tokens", min_tokens=min_tokens)
+    else:
+        least = _check_min_tokens(0 if min_tokens is None else min_tokens)
+        tokens = lambda cfg: token_counts(cfg, budget=budget, min_tokens=least)  # noqa: E731
+    if routings is not None:
+        _refuse_both("routings", routing_kinds=routing_kinds)
+    else:
+        kinds = _check_kinds(ROUTING_KINDS if routing_kinds is None else routing_kinds, ROUTING_KINDS,
+                             "routing_kinds")
+        routings = lambda cfg: routing_specs(cfg, kinds=kinds)  # noqa: E731
+    if values is None:
+        values = lambda num_tokens: value_specs(num_tokens=num_tokens)  # noqa: E731
+    if empty_banks is True:
+        empty_banks = empty_bank_sets
+    elif empty_banks is False or empty_banks is None:
+        empty_banks = st.just(())
+    return _expert_cases(configs_, _per_draw(tokens, "tokens"), _per_draw(routings, "routings"),
+                         _per_draw(values, "values"), _per_draw(empty_banks, "empty_banks"))
+
+
+def _default_configs(budget, *, dtypes=None, shapes=None, score_funcs=None) -> st.SearchStrategy[MoEConfig]:
+    """:func:`configs` from the shorthands (here, where no parameter named ``configs`` hides it)."""
+    return configs(budget=budget, dtypes=(torch.bfloat16,) if dtypes is None else dtypes,
+                   shapes=ANY_SHAPE if shapes is None else shapes,
+                   score_funcs=SCORE_FUNCS if score_funcs is None else score_funcs)
 
 
 @st.composite
-def _expert_cases(draw, budget, dtypes, routing_kinds, min_tokens, empty_banks, config,
-                  shapes) -> ExpertCase:
-    cfg = config if config is not None else draw(configs(budget=budget, dtypes=dtypes, shapes=shapes))
-    S = draw(token_counts(cfg, budget=budget, min_tokens=min_tokens))
-    return ExpertCase(
-        config=cfg, num_tokens=S,
-        routing=draw(routing_specs(cfg, kinds=routing_kinds)),
-        values=draw(value_specs(num_tokens=S)),
-        empty_banks=draw(empty_bank_sets(cfg)) if empty_banks else (),
-    )
-
-
-def tie_cases(*, budget: float = 1.0, kinds=TIE_KINDS, score_funcs=SCORE_FUNCS,
-              min_tokens: int = 1) -> st.SearchStrategy[TieCase]:
-    """Router inputs with exact ties: quantised logits, duplicated gate rows, bias levels,
-    all-equal scores, a tie at the k-th/(k+1)-th boundary, all-negative logits, NaN bias."""
-    kinds = _check_kinds(kinds, TIE_KINDS)
-    configs_ = configs(budget=budget, score_funcs=score_funcs)
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
-        raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
-    return _tie_cases(configs_, budget, kinds, min_tokens)
-
-
-@st.composite
-def _tie_cases(draw, configs_, budget, kinds, min_tokens) -> TieCase:
+def _expert_cases(draw, configs_, tokens, routings, values, empty_banks) -> ExpertCase:
     cfg = draw(configs_)
-    S = draw(token_counts(cfg, budget=budget, min_tokens=min_tokens))
-    return TieCase(config=cfg, num_tokens=S, kind=draw(st.sampled_from(kinds)), seed=draw(_seeds),
+    S = draw(tokens(cfg))
+    return ExpertCase(config=cfg, num_tokens=S, routing=draw(routings(cfg)), values=draw(values(S)),
+                      empty_banks=draw(empty_banks(cfg)))
+
+
+def tie_cases(*, budget: float = 1.0, configs: st.SearchStrategy[MoEConfig] | None = None,
+              tokens=None, kinds=TIE_KINDS, score_funcs=None,
+              min_tokens: int | None = None) -> st.SearchStrategy[TieCase]:
+    """Router inputs with exact ties: quantised logits, duplicated gate rows, bias levels,
+    all-equal scores, a tie at the k-th/(k+1)-th boundary, all-negative logits, NaN bias.
+    ``configs`` (default: :func:`configs` with ``score_funcs``), ``tokens`` (given the config;
+    default: :func:`token_counts` from ``min_tokens``, 1), ``kinds`` (a strategy, or the
+    :data:`fuzz.cases.TIE_KINDS` to sample from)."""
+    kinds = _part(kinds, lambda v: _check_kinds(v, TIE_KINDS))
+    if configs is not None:
+        _refuse_both("configs", score_funcs=score_funcs)
+        configs_ = _check_strategy(configs, "configs")
+    else:
+        configs_ = _default_configs(budget, score_funcs=score_funcs)
+    if tokens is not None:
+        _refuse_both("tokens", min_tokens=min_tokens)
+    else:
+        least = _check_min_tokens(1 if min_tokens is None else min_tokens)
+        tokens = lambda cfg: token_counts(cfg, budget=budget, min_tokens=least)  # noqa: E731
+    return _tie_cases(configs_, _per_draw(tokens, "tokens"), kinds)
+
+
+@st.composite
+def _tie_cases(draw, configs_, tokens, kinds) -> TieCase:
+    cfg = draw(configs_)
+    S = draw(tokens(cfg))
+    return TieCase(config=cfg, num_tokens=S, kind=draw(kinds), seed=draw(_seeds),
                    levels=draw(st.integers(1, 4)), use_bias=draw(st.booleans()))

@@ -181,11 +181,7 @@ def drop_padded_routes(table: RouteTable, shard: HeadShard, top_k: int) -> Route
     """
     if not shard.num_padded:
         return table
-    keep = table.num_tokens * top_k * shard.num_real
-    kept = RouteTable(table.gather_ids[:keep], table.sorted_probs[:keep], table.offsets.clamp(max=keep),
-                      table.route_slots[:keep], table.num_tokens, table.num_heads, table.num_experts,
-                      table.top_k)
-    return kept.mark_trusted() if table.trusted else kept  # a prefix of a valid table is valid
+    return table.select(table.num_tokens * top_k * shard.num_real)  # a prefix: trust kept
 
 
 def group_shard(config: MoEConfig, group=None) -> HeadShard:

@@ -12,7 +12,13 @@ runs on every backend it declares, and a pair whose backend is missing here is s
 reason. Tests ask for ``impl_backend`` (an :class:`ImplOnBackend`) and get one test per pair,
 named ``[native@interpret]`` so ``-k`` selects them; ``@pytest.mark.needs("deterministic")``
 narrows to implementations declaring capabilities, ``@pytest.mark.kernels_only`` drops the
-float64 oracle.
+float64 oracle, ``@pytest.mark.backends("cuda")`` keeps only those backends' rows.
+
+A test that also asks for ``impl_dtype`` runs once per dtype the implementation declares
+(``Implementation.dtypes``), named ``[fused@interpret-bfloat16]``; ``@pytest.mark.dtypes(...)``
+narrows to those dtypes, and an implementation declaring none of them gets no row (nothing to
+skip). Outside the matrix, :func:`impl_dtype_params` gives the same declared pairs for a fixed
+list of implementations (``[fused-float16]``).
 
 A run in which an implementation named by ``--impl`` ran no test, or in which every
 implementation test was skipped, fails with exit status 5 and says why (the most common skip
@@ -24,6 +30,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from .backends import BACKENDS, Backend
 from .implementation import Implementation, UnsupportedShape
@@ -65,8 +72,7 @@ def pytest_collection_modifyitems(config, items):
         return
     keep, drop = [], []
     for item in items:
-        callspec = getattr(item, "callspec", None)
-        (keep if callspec is not None and "impl_backend" in callspec.params else drop).append(item)
+        (keep if _impl_pair(item)[0] else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
@@ -75,6 +81,10 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs(*capabilities): run only implementations declaring them")
     config.addinivalue_line("markers", "kernels_only: skip the float64 oracle itself")
+    config.addinivalue_line("markers", "dtypes(*dtypes): with impl_dtype, run only the declared "
+                                       "dtypes among these")
+    config.addinivalue_line("markers", "backends(*names): run the implementation matrix on these "
+                                       "backends only")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skips cleanly without one)")
     config.addinivalue_line("markers", "interpret: runs Triton kernels under the CPU interpreter")
     config._magi_moe_tally = Tally(config)
@@ -97,32 +107,94 @@ def selected_backends(config) -> list[Backend]:
     return [BACKENDS[n] for n in names]
 
 
-def impl_backend_params(config, *, needs: tuple[str, ...] = (), kernels_only: bool = False):
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def declared_dtypes(impl: Implementation, only: tuple[torch.dtype, ...] = ()) -> list[torch.dtype]:
+    """The dtypes ``impl`` declares, in its order, narrowed to ``only`` when given."""
+    return [d for d in impl.dtypes if not only or d in only]
+
+
+def impl_dtype_params(impls, *, dtypes: tuple[torch.dtype, ...] = ()) -> list:
+    """``pytest.param(impl, dtype, id="fused-bfloat16")`` for every dtype each implementation
+    declares (narrowed to ``dtypes`` when given): only declared pairs, so none is skipped.
+    For ``@pytest.mark.parametrize("impl, dtype", impl_dtype_params([FUSED]))``."""
+    return [pytest.param(impl, dtype, id=f"{impl.name}-{dtype_name(dtype)}")
+            for impl in impls for dtype in declared_dtypes(impl, dtypes)]
+
+
+def impl_backend_params(config, *, needs: tuple[str, ...] = (), kernels_only: bool = False,
+                        dtypes: tuple[torch.dtype, ...] | None = None,
+                        backends: tuple[str, ...] = ()):
     """Every selected (implementation, backend) pair as a ``pytest.param``; a pair that cannot
-    run here is marked skip with the reason."""
+    run here is marked skip with the reason. ``backends`` (names) keeps only those backends.
+
+    With ``dtypes`` (a tuple, empty for "all"): ``(pair, dtype)`` params for each dtype the
+    implementation declares among them (``[fused@interpret-bfloat16]``); an implementation that
+    declares none gets no param, and a pair that cannot run here gets one skipped param (dtype
+    None) instead of one per dtype."""
     params = []
     for impl in selected_impls(config):
         if kernels_only and impl.precision == "float64":
             continue
+        impl_dtypes = None if dtypes is None else declared_dtypes(impl, dtypes)
+        if impl_dtypes == []:
+            continue
         for backend in selected_backends(config):
-            if backend.name not in impl.backends:
+            if backend.name not in impl.backends or backends and backend.name not in backends:
                 continue
             pair = ImplOnBackend(impl, backend)
             marks = [getattr(pytest.mark, backend.name)] if backend.name in ("cuda", "interpret") else []
             reason = impl.skip_reason(backend, needs=needs)
             if reason:
                 marks.append(pytest.mark.skip(reason=reason))
-            params.append(pytest.param(pair, id=str(pair), marks=marks))
+            if impl_dtypes is None:
+                params.append(pytest.param(pair, id=str(pair), marks=marks))
+            elif reason:
+                params.append(pytest.param(pair, None, id=str(pair), marks=marks))
+            else:
+                params.extend(pytest.param(pair, d, id=f"{pair}-{dtype_name(d)}", marks=marks)
+                              for d in impl_dtypes)
     return params
+
+
+def _impl_pair(item) -> tuple[bool, ImplOnBackend | None]:
+    """Whether ``item`` tests an implementation, and its pair: a test parametrized by
+    ``impl_backend`` (``None`` when no pair was selected), or one with another parameter holding
+    an :class:`ImplOnBackend` (the fuzz properties' rows build their own pairs)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "impl_backend" in params:
+        return True, params["impl_backend"]
+    pair = next((v for v in params.values() if isinstance(v, ImplOnBackend)), None)
+    return pair is not None, pair
 
 
 def pytest_generate_tests(metafunc):
     if "impl_backend" not in metafunc.fixturenames:
         return
-    needs_mark = metafunc.definition.get_closest_marker("needs")
+    definition = metafunc.definition
+    needs_mark = definition.get_closest_marker("needs")
+    dtypes_mark = definition.get_closest_marker("dtypes")
+    backends_mark = definition.get_closest_marker("backends")
+    unknown = [b for b in (backends_mark.args if backends_mark else ()) if b not in BACKENDS]
+    if unknown:
+        raise pytest.UsageError(f"{definition.nodeid}: @pytest.mark.backends takes names among "
+                                f"{sorted(BACKENDS)}, got {unknown}")
+    with_dtype = "impl_dtype" in metafunc.fixturenames
+    if dtypes_mark is not None and not with_dtype:
+        raise pytest.UsageError(f"{definition.nodeid}: @pytest.mark.dtypes needs the impl_dtype argument")
     params = impl_backend_params(
         metafunc.config, needs=tuple(needs_mark.args) if needs_mark else (),
-        kernels_only=metafunc.definition.get_closest_marker("kernels_only") is not None)
+        kernels_only=definition.get_closest_marker("kernels_only") is not None,
+        dtypes=(tuple(dtypes_mark.args) if dtypes_mark else ()) if with_dtype else None,
+        backends=tuple(backends_mark.args) if backends_mark else ())
+    if with_dtype:
+        wanted = ", ".join(map(dtype_name, dtypes_mark.args)) if dtypes_mark else "any dtype"
+        metafunc.parametrize(("impl_backend", "impl_dtype"), params or [pytest.param(
+            None, None, marks=pytest.mark.skip(
+                reason=f"no selected implementation declares {wanted}"))])
+        return
     metafunc.parametrize("impl_backend", params or [pytest.param(None, marks=pytest.mark.skip(
         reason="no implementation/backend pair selected"))])
 
@@ -142,9 +214,8 @@ def pytest_pyfunc_call(pyfuncitem):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    callspec = getattr(item, "callspec", None)
-    if report.when in ("setup", "call") and callspec is not None and "impl_backend" in callspec.params:
-        pair = callspec.params["impl_backend"]
+    is_impl_test, pair = _impl_pair(item)
+    if report.when in ("setup", "call") and is_impl_test:
         # user_properties travel with the report, also from xdist workers
         report.user_properties.append(
             (_IMPL_PROPERTY, pair.impl.name if isinstance(pair, ImplOnBackend) else ""))

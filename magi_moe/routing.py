@@ -101,6 +101,64 @@ class RouteTable:
         """Routes per bank, ``[H*E]`` int64."""
         return self.offsets[1:] - self.offsets[:-1]
 
+    def select(self, keep: "int | torch.Tensor") -> "RouteTable":
+        """The table of the routes ``keep`` names, still sorted by bank (token order inside one).
+
+        ``keep`` is a prefix length (a Python int in ``[0, R]``), a boolean mask ``[R]``, or a
+        1-D integer tensor of route positions in ``[0, R)`` (a set: order and repeats do not
+        matter). A (token, head) whose routes all go has no route left: its output is zero.
+
+        A prefix needs no host synchronisation: its offsets are the old ones clamped to the
+        prefix length. Only a prefix of a trusted table stays trusted (it is valid by
+        construction and is what a no-host-sync path cuts off, e.g. padded heads, whose banks
+        sort last); a mask or index selection costs a host sync (its size, plus a range check
+        for indices) and returns an untrusted table, whose values are then checked on use.
+        """
+        R = self.num_routes
+        if isinstance(keep, int) and not isinstance(keep, bool):
+            if not 0 <= keep <= R:
+                raise ValueError(f"keep must lie in [0, {R}] as a prefix length, got {keep}")
+            kept = self._with(self.gather_ids[:keep], self.sorted_probs[:keep],
+                              self.offsets.clamp(max=keep), self.route_slots[:keep])
+            return kept.mark_trusted() if self.trusted else kept
+        mask = self._keep_mask(keep)
+        # kept_before[i]: kept routes among the first i, so bank f's routes start at
+        # kept_before[offsets[f]]; clamped so that garbage offsets of an untrusted table stay
+        # in bounds (the result is untrusted and checked on use)
+        kept_before = torch.zeros(R + 1, dtype=torch.int64, device=mask.device)
+        torch.cumsum(mask, 0, out=kept_before[1:])
+        offsets = kept_before[self.offsets.clamp(0, R)]
+        return self._with(self.gather_ids[mask], self.sorted_probs[mask], offsets,
+                          self.route_slots[mask])
+
+    def _keep_mask(self, keep) -> torch.Tensor:
+        R, device = self.num_routes, self.gather_ids.device
+        if not isinstance(keep, torch.Tensor):
+            raise TypeError(f"keep must be an int (prefix length), a boolean mask or an index "
+                            f"tensor, got {type(keep).__name__}")
+        if keep.dim() != 1 or keep.device != device:
+            raise ValueError(f"keep must be a 1-D tensor on {device}, got shape "
+                             f"{list(keep.shape)} on {keep.device}")
+        if keep.dtype == torch.bool:
+            if keep.numel() != R:
+                raise ValueError(f"keep as a mask must have shape [{R}] (one entry per route), "
+                                 f"got [{keep.numel()}]")
+            return keep
+        # uint8 is refused too: torch once read it as a mask, so 0/1 values would be ambiguous
+        if keep.dtype.is_floating_point or keep.dtype.is_complex or keep.dtype == torch.uint8:
+            raise TypeError(f"keep must be a boolean mask or an integer index tensor, got {keep.dtype}")
+        if keep.numel():
+            lo, hi = torch.stack([keep.min(), keep.max()]).tolist()
+            if lo < 0 or hi >= R:
+                raise ValueError(f"keep as indices must lie in [0, {R}), got values in [{lo}, {hi}]")
+        mask = torch.zeros(R, dtype=torch.bool, device=device)
+        mask[keep.long()] = True
+        return mask
+
+    def _with(self, gather_ids, sorted_probs, offsets, route_slots) -> "RouteTable":
+        return RouteTable(gather_ids, sorted_probs, offsets, route_slots, self.num_tokens,
+                          self.num_heads, self.num_experts, self.top_k)
+
     def to(self, device: torch.device | str) -> "RouteTable":
         move = lambda t: t.to(device)  # noqa: E731
         moved = RouteTable(move(self.gather_ids), move(self.sorted_probs), move(self.offsets),

@@ -13,6 +13,18 @@ tests show that the fuzzer built for it catches it within the CI budget.
   serves stale weights after ``param.data.copy_(...)`` (CONTRACT 5; vLLM #42821, SGLang #14158).
   :class:`SnapshotCache` is the correct toy cache the same machine must pass.
 
+One cheap CPU variant more for each remaining property, so that every property record has a
+bug it is shown to catch (tests/test_fuzz_broken.py):
+
+* ``drops_last_token`` (differential): a token loop that stops one short; the last row stays 0.
+* ``writes_one_row_late`` (token_permutation): an off-by-one output row index.
+* ``reads_next_head`` (head_locality): a head offset off by one head: each head reads its
+  neighbour's slice of ``x``.
+* ``weight_applied_twice`` (linearity): the routing weight applied before the activation and
+  again at the sum, so the output goes with ``p^2``.
+* ``no_routes_leaves_output_unwritten`` (zero_tokens): an early return when no route is left,
+  before the output is zeroed.
+
 ``segfault_from_three_tokens`` is no bug class of its own: it kills its process, to show that a
 campaign records such a case and goes on.
 
@@ -21,13 +33,16 @@ test's implementation matrix); campaigns name them as ``tests.fuzz_broken:<attr>
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["CachedToyLayer", "SnapshotCache", "VersionKeyedCache", "empty_expert_garbage",
-           "int32_offsets", "launch_native_int32", "route_ties_to_higher_index",
-           "segfault_from_three_tokens", "snapshot_cache_layer", "stale_cache_layer"]
+__all__ = ["CachedToyLayer", "SnapshotCache", "VersionKeyedCache", "drops_last_token",
+           "empty_expert_garbage", "int32_offsets", "launch_native_int32", "no_routes_leaves_output_unwritten",
+           "reads_next_head", "route_ties_to_higher_index", "segfault_from_three_tokens",
+           "snapshot_cache_layer", "stale_cache_layer", "weight_applied_twice", "writes_one_row_late"]
 from magi_moe.backends import interpreter_enabled
 from magi_moe.config import MoEConfig
 from magi_moe.kernels.native import block_schedule, choose_tiles
@@ -158,6 +173,55 @@ def _empty_expert_garbage(x, table, weights, config, *, out):
 empty_expert_garbage = Implementation(
     "broken-empty-expert", _empty_expert_garbage, ("cpu",), "bf16-plain",
     description="BROKEN on purpose: an empty expert's block adds its output to a neighbour's row")
+
+
+# -- one bug per remaining property ------------------------------------------------------------------
+def _plain(x, table, weights, config):
+    return expert_reference(x, table, weights, config, precision="bf16")
+
+
+def _drops_last_token(x, table, weights, config, *, out):
+    out.copy_(_plain(x, table, weights, config))
+    if out.shape[0]:
+        out[-1] = 0  # BUG (on purpose): the loop over tokens stops at S - 1
+    return out
+
+
+def _writes_one_row_late(x, table, weights, config, *, out):
+    # BUG (on purpose): token s's row is stored at s + 1 (the last one wraps to row 0)
+    return out.copy_(_plain(x, table, weights, config).roll(1, dims=0))
+
+
+def _reads_next_head(x, table, weights, config, *, out):
+    # BUG (on purpose): the head offset is one head too far: head h reads head h + 1's slice
+    return out.copy_(_plain(x.roll(-config.head_dim, dims=1), table, weights, config))
+
+
+def _weight_applied_twice(x, table, weights, config, *, out):
+    # BUG (on purpose): the routing weight scales the activation and the sum again: p^2
+    squared = dataclasses.replace(table, sorted_probs=table.sorted_probs * table.sorted_probs)
+    return out.copy_(_plain(x, squared, weights, config))
+
+
+def _no_routes_leaves_output_unwritten(x, table, weights, config, *, out):
+    if table.num_routes == 0:
+        return out  # BUG (on purpose): nothing to launch, and the output is never zeroed
+    return out.copy_(_plain(x, table, weights, config))
+
+
+def _broken(name: str, forward, what: str) -> Implementation:
+    return Implementation(name, forward, ("cpu",), "bf16-plain", description=f"BROKEN on purpose: {what}")
+
+
+drops_last_token = _broken("broken-drops-last-token", _drops_last_token,
+                           "the last token's row is never computed")
+writes_one_row_late = _broken("broken-one-row-late", _writes_one_row_late,
+                              "each token's row is written one row late")
+reads_next_head = _broken("broken-next-head", _reads_next_head, "each head reads the next head's input")
+weight_applied_twice = _broken("broken-weight-twice", _weight_applied_twice,
+                               "the routing weight is applied twice")
+no_routes_leaves_output_unwritten = _broken("broken-no-routes-unwritten", _no_routes_leaves_output_unwritten,
+                                            "with no route left the output is never written")
 
 
 # -- weight caches ------------------------------------------------------------------------------------

@@ -34,14 +34,14 @@ def small_probes():
 # -- real implementations pass -----------------------------------------------------------------
 
 @pytest.mark.parametrize("probe", PROBES)
-def test_implementation_within_bounds(impl_backend, probe):
-    """Every registered implementation, on every backend here, under its declared model."""
+def test_implementation_within_bounds(impl_backend, impl_dtype, probe):
+    """Every registered implementation, on every backend here, at every dtype it declares,
+    under its declared model."""
     impl, backend = impl_backend.impl, impl_backend.backend
     # The interpreter pays per program: the tiny preset keeps kernel runs well under a second.
     cfg = preset("tiny") if backend.runs_triton and backend.name != "cuda" else preset("small")
-    problem = probe_problem(probe, cfg, 64, seed=3, device=impl_backend.device)
-    if cfg.dtype not in impl.dtypes:
-        pytest.skip(f"{impl.name} does not declare {cfg.dtype}")
+    problem = probe_problem(probe, cfg.replace(dtype=impl_dtype), 64, seed=3,
+                            device=impl_backend.device)
     report = check_error_bounds(run_poisoned(impl, problem), problem, impl)
     assert report.ok, report.summary()
     assert report.nonfinite == 0
@@ -164,21 +164,26 @@ def test_lambda_grows_with_problem_size():
 
 # -- argument checking ---------------------------------------------------------------------------
 
-def test_bad_arguments_name_themselves(small_probes):
-    problem = small_probes["random"]
-    with pytest.raises(ValueError, match="precision model"):
-        check_error_bounds(problem.x, problem, "bf16-fp16acc")
-    with pytest.raises(ValueError, match="out must have shape"):
-        check_error_bounds(problem.x[:5], problem, "bf16-fp32acc")
-    with pytest.raises(ValueError, match="models"):
-        compute_error_bounds(problem.x, problem.table, problem.weights, problem.config, [])
-    with pytest.raises(ValueError, match="x must have shape"):
-        compute_error_bounds(problem.x[:, :10], problem.table, problem.weights, problem.config,
-                             ["bf16-plain"])
-    with pytest.raises(ValueError, match="failure_probability"):
-        hoeffding_lambda(10, 1.5)
-    with pytest.raises(ValueError, match="n\\*u < 1"):
-        gamma(2 ** 8, 2.0 ** -8)
+# (bad call on a valid problem, message pattern); all ValueError
+BAD_ARGUMENTS = [
+    pytest.param(lambda p: check_error_bounds(p.x, p, "bf16-fp16acc"), "precision model",
+                 id="unknown-model"),
+    pytest.param(lambda p: check_error_bounds(p.x[:5], p, "bf16-fp32acc"), "out must have shape",
+                 id="out-rows"),
+    pytest.param(lambda p: compute_error_bounds(p.x, p.table, p.weights, p.config, []), "models",
+                 id="no-models"),
+    pytest.param(lambda p: compute_error_bounds(p.x[:, :10], p.table, p.weights, p.config,
+                                                ["bf16-plain"]), "x must have shape", id="x-width"),
+    pytest.param(lambda p: hoeffding_lambda(10, 1.5), "failure_probability",
+                 id="failure-probability-above-1"),
+    pytest.param(lambda p: gamma(2 ** 8, 2.0 ** -8), "n\\*u < 1", id="gamma-n-u-1"),
+]
+
+
+@pytest.mark.parametrize("call, pattern", BAD_ARGUMENTS)
+def test_bad_arguments_name_themselves(small_probes, call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call(small_probes["random"])
 
 
 # -- precision helpers --------------------------------------------------------------------------

@@ -75,15 +75,18 @@ def test_layer_without_cache_is_audited_too():
     assert ran and all(r.status == DETECTED and r.repacks_after_change is None for r in ran)
 
 
-def test_bad_arguments():
-    with pytest.raises(ValueError, match="routes must be among"):
-        audit_weight_cache(correct_cache_layer, config=TINY, routes=("reload",))
-    with pytest.raises(ValueError, match="parameters must be"):
-        audit_weight_cache(correct_cache_layer, config=TINY, parameters=("gate",))
-    with pytest.raises(TypeError, match="config must be a MoEConfig"):
-        audit_weight_cache(correct_cache_layer, config="tiny")
-    with pytest.raises(TypeError, match="impl_or_factory must be"):
-        audit_weight_cache(42, config=TINY)
+@pytest.mark.parametrize("subject, kwargs, exc, pattern", [
+    pytest.param(correct_cache_layer, dict(config=TINY, routes=("reload",)), ValueError,
+                 "routes must be among", id="unknown-route"),
+    pytest.param(correct_cache_layer, dict(config=TINY, parameters=("gate",)), ValueError,
+                 "parameters must be", id="router-parameter"),
+    pytest.param(correct_cache_layer, dict(config="tiny"), TypeError, "config must be a MoEConfig",
+                 id="config-name"),
+    pytest.param(42, dict(config=TINY), TypeError, "impl_or_factory must be", id="subject-int"),
+])
+def test_bad_arguments(subject, kwargs, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        audit_weight_cache(subject, **kwargs)
 
 
 def _fused_or_skip(backend: str):

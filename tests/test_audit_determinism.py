@@ -50,11 +50,13 @@ def test_bit_pattern_compares_bits():
     assert bit_pattern(a.double()).dtype == torch.int64
 
 
-def test_bad_arguments(problem):
-    with pytest.raises(ValueError, match="runs must be >= 2"):
-        audit_determinism(CORRECT_EMULATION, problem, runs=1)
-    with pytest.raises(ValueError, match="CUDA"):
-        audit_determinism(CORRECT_EMULATION, problem, runs=2, background=True)
+@pytest.mark.parametrize("kwargs, pattern", [
+    pytest.param(dict(runs=1), "runs must be >= 2", id="one-run"),
+    pytest.param(dict(runs=2, background=True), "CUDA", id="background-on-cpu"),
+])
+def test_bad_arguments(problem, kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        audit_determinism(CORRECT_EMULATION, problem, **kwargs)
 
 
 @pytest.mark.interpret

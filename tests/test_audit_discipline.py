@@ -14,12 +14,16 @@ from magi_moe.tests.audit_broken import (ALLOCATES_PER_CALL, DISCIPLINED_TOY, IT
                                 with_item_in_path)
 
 
-def test_cpu_problem_is_rejected():
-    problem = probe_problem("random", preset("tiny"), 8, seed=0)
-    with pytest.raises(ValueError, match="needs a CUDA problem"):
-        audit_discipline(DISCIPLINED_TOY, problem)
-    with pytest.raises(ValueError, match="needs a CUDA layer"):
-        audit_layer_discipline(lambda: MagiMoE(preset("tiny"), impl="reference"))
+@pytest.mark.parametrize("call, pattern", [
+    pytest.param(lambda: audit_discipline(DISCIPLINED_TOY, probe_problem("random", preset("tiny"), 8,
+                                                                         seed=0)),
+                 "needs a CUDA problem", id="cpu-problem"),
+    pytest.param(lambda: audit_layer_discipline(lambda: MagiMoE(preset("tiny"), impl="reference")),
+                 "needs a CUDA layer", id="cpu-layer"),
+])
+def test_cpu_problem_is_rejected(call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call()
 
 
 @pytest.fixture

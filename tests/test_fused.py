@@ -2,7 +2,8 @@
 ``test_implementations.py`` (which holds ``fused`` to the float64 oracle like every path):
 
 * the device-built block schedule (worked example, upper bound, coverage);
-* partial route tables, packed vs plain weights, fp16, workspace reuse, argument errors;
+* partial route tables, packed vs plain weights, every declared dtype, workspace reuse,
+  argument errors;
 * int64 addressing past ``token * row_stride = 2^31`` (in a child process: a wrong offset
   kills the interpreter with SIGSEGV);
 * the fused router against the torch router: the same experts, the tie rule, NaN last, the
@@ -12,6 +13,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,12 +22,15 @@ import textwrap
 import pytest
 import torch
 
+from magi_moe.backends import BACKENDS
 from magi_moe.config import MoEConfig, preset
+from magi_moe.impls import FUSED
 from magi_moe.kernels.tiles import INTERPRETER_TILES, PORTABLE_TILES, FusedTiles, two_kernel_tiles
 from magi_moe.kernels.workspace import FusedWorkspace
-from magi_moe.problems import Problem, random_problem, relative_l2, routes_to
+from magi_moe.problems import Problem, random_problem, relative_l2, routes_to, run_poisoned
+from magi_moe.pytest_plugin import impl_dtype_params
 from magi_moe.reference import expert_reference
-from magi_moe.routing import RouteTable, Routes, build_route_table, route
+from magi_moe.routing import Routes, build_route_table, route
 from magi_moe.weights import ExpertWeights
 
 
@@ -122,25 +127,14 @@ def test_block_schedule_covers_every_route_within_the_bound(device, block_m, fro
 # ---------------------------------------------------------------------------------------------
 # the expert path
 # ---------------------------------------------------------------------------------------------
-def partial_table(table: RouteTable, keep: torch.Tensor) -> RouteTable:
-    """The routes of ``table`` where ``keep`` (CSR order), still sorted by bank."""
-    bank = torch.repeat_interleave(torch.arange(table.offsets.numel() - 1, device=keep.device),
-                                   table.counts())
-    offsets = torch.zeros_like(table.offsets)
-    offsets[1:] = torch.cumsum(torch.bincount(bank[keep], minlength=offsets.numel() - 1), 0)
-    return RouteTable(table.gather_ids[keep], table.sorted_probs[keep], offsets,
-                      table.route_slots[keep], table.num_tokens, table.num_heads,
-                      table.num_experts, table.top_k)
-
-
 def test_partial_table_leaves_unrouted_slots_empty(device):
-    """A hand-built table without some (s, h, k) slots: those add nothing, nothing is NaN."""
+    """A partial table (some (s, h, k) slots have no route): those add nothing, nothing is NaN."""
     cfg = preset("tiny")
     problem = random_problem(cfg, 40, seed=11, device=device)
     keep = torch.arange(problem.table.num_routes, device=device) % 3 != 0
     keep[: 2 * cfg.top_k] = False
     problem = Problem(cfg, problem.x, problem.gate, problem.bias, problem.weights,
-                      problem.routes, partial_table(problem.table, keep))
+                      problem.routes, problem.table.select(keep))
     out = poisoned_forward(problem)
     assert_close_to_oracle(out, problem)
     ref = expert_reference(problem.x, problem.table, problem.weights, cfg)
@@ -300,9 +294,10 @@ def test_one_kernel_tiles_on_a_single_activation_slice(device, inter):
     assert_close_to_oracle(_forward_with(problem, tiles), problem)
 
 
-def test_fp16(device):
-    problem = random_problem(preset("tiny").replace(dtype=torch.float16), 50, seed=13, device=device)
-    assert_close_to_oracle(poisoned_forward(problem), problem)
+@pytest.mark.parametrize("impl, dtype", impl_dtype_params([FUSED]))
+def test_every_declared_dtype(device, impl, dtype):
+    problem = random_problem(preset("tiny").replace(dtype=dtype), 50, seed=13, device=device)
+    assert_close_to_oracle(run_poisoned(impl, problem), problem)
 
 
 def test_hot_expert_across_many_blocks(device):
@@ -336,27 +331,32 @@ def test_workspace_is_reused_once_warm(device):
     assert ws.allocations > warm
 
 
-def test_bad_arguments_name_the_argument(triton_device):
+# (id, make the bad call's arguments from a valid problem, message pattern); all ValueError
+BAD_ARGUMENTS = [
+    pytest.param(lambda p: (p.x.float(), p.table, p.weights, p.config), {}, "x must have dtype",
+                 id="x-float32"),
+    pytest.param(lambda p: (p.x, p.table, p.weights.to(torch.float16), p.config), {}, "dtype",
+                 id="weights-float16"),
+    pytest.param(lambda p: (torch.empty(8, 2 * p.config.hidden_size, dtype=p.x.dtype,
+                                        device=p.x.device)[:, ::2], p.table, p.weights, p.config),
+                 {}, "x must have unit stride", id="x-strided-columns"),
+    pytest.param(lambda p: (p.x, dataclasses.replace(p.table, sorted_probs=p.table.sorted_probs.double()),
+                            p.weights, p.config), {}, "table.sorted_probs", id="probs-float64"),
+    pytest.param(lambda p: (p.x, p.table, p.weights, p.config.replace(top_k=1)), {},
+                 "table was built for", id="config-top_k"),
+    pytest.param(lambda p: (p.x, p.table, p.weights, p.config),
+                 {"out": lambda p: torch.empty(7, p.config.hidden_size, dtype=p.x.dtype,
+                                               device=p.x.device)}, "out", id="out-one-row-short"),
+]
+
+
+@pytest.mark.parametrize("make_args, make_kwargs, pattern", BAD_ARGUMENTS)
+def test_bad_arguments_name_the_argument(triton_device, make_args, make_kwargs, pattern):
     """Checked before any launch, on a device where the kernels could run."""
-    fused = F()
     problem = random_problem(preset("tiny"), 8, seed=17, device=triton_device)
-    x, t, w, cfg = problem.x, problem.table, problem.weights, problem.config
-    cases = [
-        (lambda: fused.fused_forward(x.float(), t, w, cfg), "x must have dtype"),
-        (lambda: fused.fused_forward(x, t, w.to(torch.float16), cfg), "dtype"),
-        (lambda: fused.fused_forward(torch.empty(8, 2 * cfg.hidden_size, dtype=x.dtype,
-                                                 device=triton_device)[:, ::2],
-                                     t, w, cfg), "x must have unit stride"),
-        (lambda: fused.fused_forward(x, RouteTable(t.gather_ids, t.sorted_probs.double(), t.offsets,
-                                                   t.route_slots, 8, 2, 8, 2), w, cfg),
-         "table.sorted_probs"),
-        (lambda: fused.fused_forward(x, t, w, cfg.replace(top_k=1)), "table was built for"),
-        (lambda: fused.fused_forward(x, t, w, cfg, out=torch.empty(7, cfg.hidden_size, dtype=x.dtype,
-                                                                   device=triton_device)), "out"),
-    ]
-    for call, message in cases:
-        with pytest.raises(ValueError, match=message):
-            call()
+    kwargs = {name: make(problem) for name, make in make_kwargs.items()}
+    with pytest.raises(ValueError, match=pattern):
+        F().fused_forward(*make_args(problem), **kwargs)
 
 
 INT64_SCRIPT = textwrap.dedent("""
@@ -513,11 +513,14 @@ def test_dispatch_picks_fused_for_16_bit_kernels(device):
 # ---------------------------------------------------------------------------------------------
 # CUDA only
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture
-def cuda_only(device):
-    if device.type != "cuda":
-        pytest.skip("a CUDA property (host sync, allocator, production size)")
-    return device
+@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.cuda)])
+def cuda_only(request) -> torch.device:
+    """A CUDA property (host sync, allocator, production size): the cuda backend alone, so the
+    interpreter gets no row to skip."""
+    why = BACKENDS[request.param].unavailable_reason()
+    if why:
+        pytest.skip(f"backend {request.param} unavailable: {why}")
+    return torch.device(BACKENDS[request.param].device)
 
 
 def production_problem(device, heads=3, tokens=4096):

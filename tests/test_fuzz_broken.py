@@ -1,9 +1,15 @@
-"""Each deliberately broken variant (tests/fuzz_broken.py) is caught by the fuzzer built for it,
-within the per-commit budget, and its correct counterpart passes the same search.
+"""Every fuzz property catches the deliberately broken variant built for it (tests/fuzz_broken.py)
+through its record (fuzz.fuzzers.PROPERTIES), within the per-commit budget: the search fails with
+the property's own message and a one-line replay, the record it prints fails again when rerun,
+and the same record passes on the correct counterpart, as does the whole search. A property
+without an entry in CATCHES fails test_every_property_has_a_broken_variant: each record's check
+is shown to be able to fail.
 
 The searches run derandomised with a fixed, small example count and no shrinking (the first
 failing example is enough to show the catch; campaigns shrink)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 
@@ -13,7 +19,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from magi_moe.fuzz import fuzzers
-from magi_moe.fuzz.cases import HugeCase, first_overflowing_token
+from magi_moe.fuzz.cases import HugeCase, case_from_dict, first_overflowing_token
 from magi_moe.fuzz.properties import check_huge_offsets, make_target
 from magi_moe.fuzz.record import PropertyViolation
 from magi_moe.fuzz.stateful import weight_swap_machine
@@ -22,6 +28,8 @@ from magi_moe.config import preset
 from magi_moe.tests import fuzz_broken as broken
 from magi_moe.tests.exception_chains import chain_text
 
+BROKEN = "magi_moe.tests.fuzz_broken"
+
 
 def quick(examples: int, **kw) -> settings:
     return settings(max_examples=examples, derandomize=True, database=None, deadline=None,
@@ -29,31 +37,59 @@ def quick(examples: int, **kw) -> settings:
                     suppress_health_check=list(HealthCheck), **kw)
 
 
-def test_wrong_tie_order_is_caught_by_the_tie_fuzzer():
-    with pytest.raises(PropertyViolation, match="ties must go to the lower index") as caught:
-        fuzzers.search("tie_rule", "magi_moe.tests.fuzz_broken:route_ties_to_higher_index", settings=quick(8))
+@dataclass(frozen=True)
+class Catch:
+    """A property's broken variant (``package.module:attr``; a router for the tie rule), what
+    its violation says, and the correct counterpart that must pass the same search."""
+
+    broken: str
+    says: str
+    correct: str
+    backend: str = "cpu"
+    examples: int = 8
+
+
+CATCHES = {
+    "differential": Catch(f"{BROKEN}:drops_last_token", "error above the", "torch-bf16"),
+    "tie_rule": Catch(f"{BROKEN}:route_ties_to_higher_index", "ties must go to the lower index",
+                      "magi_moe.routing:route"),
+    "token_permutation": Catch(f"{BROKEN}:writes_one_row_late", "permuting tokens did not permute",
+                               "torch-bf16"),
+    "head_locality": Catch(f"{BROKEN}:reads_next_head", "when only other heads' inputs", "torch-bf16"),
+    "linearity": Catch(f"{BROKEN}:weight_applied_twice", "did not double the output", "torch-bf16"),
+    "empty_experts": Catch(f"{BROKEN}:empty_expert_garbage", "has no route", "torch-bf16"),
+    "zero_tokens": Catch(f"{BROKEN}:no_routes_leaves_output_unwritten", "elements are NaN", "torch-bf16"),
+    "deterministic": Catch("magi_moe.tests.outside_broken_kernels:WANDERING_SUM", "differs bitwise",
+                           "reference", examples=20),
+    # child processes with TRITON_INTERPRET=1, whatever this process has
+    "huge_offsets": Catch(f"{BROKEN}:int32_offsets", "SIGSEGV", "native", backend="interpret", examples=1),
+}
+
+
+def test_every_property_has_a_broken_variant():
+    assert set(CATCHES) == set(fuzzers.PROPERTIES), "give each property record a broken variant it catches"
+
+
+def _rerun(prop: fuzzers.Property, record: dict) -> dict:
+    """The check of a failure record, on the target, case and parameters it names."""
+    return prop.run(prop.target_of(record), case_from_dict(record["case"]), record["params"])
+
+
+@pytest.mark.parametrize("name", list(CATCHES))
+def test_each_property_catches_its_broken_variant(name):
+    prop, catch = fuzzers.PROPERTIES[name], CATCHES[name]
+    if catch.backend == "interpret" and not triton_installed():
+        pytest.skip("triton is not installed")
+    with pytest.raises(PropertyViolation, match=catch.says) as caught:
+        fuzzers.search(prop, prop.on.load(catch.broken, catch.backend), settings=quick(catch.examples))
+    record = caught.value.record
+    assert str(caught.value).startswith(f"{name} violated by"), str(caught.value)
     assert "python -m fuzz replay" in str(caught.value)
-    fuzzers.search("tie_rule", "magi_moe.routing:route", settings=quick(8))  # the real router passes
-
-
-def test_empty_expert_garbage_is_caught_by_the_empty_expert_fuzzer():
-    target = make_target(broken.empty_expert_garbage, "cpu", spec="magi_moe.tests.fuzz_broken:empty_expert_garbage")
-    with pytest.raises(PropertyViolation, match="empty_experts violated") as caught:
-        fuzzers.search("empty_experts", target, settings=quick(8))
-    assert caught.value.record["impl"] == "magi_moe.tests.fuzz_broken:empty_expert_garbage"
-    fuzzers.search("empty_experts", make_target("torch-bf16", "cpu"), settings=quick(8))
-
-
-@pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
-def test_int32_offsets_are_caught_by_the_huge_fuzzer():
-    """Runs in child processes with TRITON_INTERPRET=1, whatever this process has."""
-    target = make_target(broken.int32_offsets, "interpret", spec="magi_moe.tests.fuzz_broken:int32_offsets")
-    with pytest.raises(PropertyViolation, match="SIGSEGV") as caught:
-        fuzzers.search("huge_offsets", target, settings=quick(1))
-    case = caught.value.record["case"]
-    from magi_moe.fuzz.cases import case_from_dict
-    # The same case passes through the real (int64) native kernel.
-    check_huge_offsets(make_target("native", "interpret"), case_from_dict(case))
+    assert record["property"] == name and record[prop.on.record_key] == catch.broken
+    with pytest.raises(PropertyViolation, match=catch.says):
+        _rerun(prop, record)
+    _rerun(prop, {**record, prop.on.record_key: catch.correct})  # the same case, done right
+    fuzzers.search(prop, prop.on.load(catch.correct, catch.backend), settings=quick(catch.examples))
 
 
 def test_int32_offsets_are_invisible_below_the_boundary():

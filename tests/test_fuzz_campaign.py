@@ -58,8 +58,8 @@ def test_fallback_junit_when_pytest_was_stopped(tmp_path):
 
     (tmp_path / "stats").mkdir()
     (tmp_path / "failures").mkdir()
-    ok, bad = "tests/test_fuzz_properties.py::test_zero_tokens[fused@cuda]", \
-        "tests/test_fuzz_properties.py::test_linearity[fused@cuda]"
+    ok, bad = "tests/test_fuzz_properties.py::test_property[zero_tokens-fused@cuda]", \
+        "tests/test_fuzz_properties.py::test_property[linearity-fused@cuda]"
     for i, nodeid in enumerate((ok, bad)):
         (tmp_path / "stats" / f"{i}.json").write_text(json.dumps(
             {"nodeid": nodeid, "property": "p", "rounds": 3, "cases": 40, "seconds": 12.5}))
@@ -68,11 +68,11 @@ def test_fallback_junit_when_pytest_was_stopped(tmp_path):
          "repro": "python -m fuzz replay '{}'", "record": {"property": "linearity"}}))
     root = ET.parse(write_fallback_junit(tmp_path)).getroot()
     cases = {c.get("name"): c for c in root.iter("testcase")}
-    assert set(cases) == {"test_zero_tokens[fused@cuda]", "test_linearity[fused@cuda]"}
-    assert cases["test_zero_tokens[fused@cuda]"].find("failure") is None
-    failure = cases["test_linearity[fused@cuda]"].find("failure")
+    assert set(cases) == {"test_property[zero_tokens-fused@cuda]", "test_property[linearity-fused@cuda]"}
+    assert cases["test_property[zero_tokens-fused@cuda]"].find("failure") is None
+    failure = cases["test_property[linearity-fused@cuda]"].find("failure")
     assert failure is not None and "python -m fuzz replay" in failure.text
-    assert cases["test_linearity[fused@cuda]"].get("classname") == "tests.test_fuzz_properties"
+    assert cases["test_property[linearity-fused@cuda]"].get("classname") == "tests.test_fuzz_properties"
 
 
 # -- accounting: every failure record counts ------------------------------------------------------
@@ -102,9 +102,9 @@ def test_every_failure_record_counts_in_summary_and_junit(tmp_path):
     from magi_moe.fuzz.campaign import _summary, reconcile_junit
     from magi_moe.fuzz.record import save_record
 
-    passed = "tests/test_fuzz_properties.py::test_differential[native@interpret]"
-    skipped = "tests/test_fuzz_properties.py::test_linearity[native@interpret]"
-    clean = "tests/test_fuzz_properties.py::test_zero_tokens[native@interpret]"
+    passed = "tests/test_fuzz_properties.py::test_property[differential-native@interpret]"
+    skipped = "tests/test_fuzz_properties.py::test_property[linearity-native@interpret]"
+    clean = "tests/test_fuzz_properties.py::test_property[zero_tokens-native@interpret]"
     _pytest_junit(tmp_path / "junit.xml", [(passed, "passed"), (skipped, "skipped"), (clean, "passed")])
     record = {"property": "differential", "impl": "native", "backend": "interpret", "case": {}, "params": {}}
     save_record(tmp_path / "failures", record, kind="violation", message="off the bound", extra={"nodeid": passed})

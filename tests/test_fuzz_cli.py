@@ -1,4 +1,4 @@
-"""``python -m fuzz``'s help names every command, and ``list`` names every property."""
+"""``python -m fuzz``'s help names every command, and ``list`` shows every property record."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("hypothesis")
 
 from magi_moe.fuzz.__main__ import main  # noqa: E402
-from magi_moe.fuzz.properties import PROPERTIES  # noqa: E402
+from magi_moe.fuzz.fuzzers import PROPERTIES  # noqa: E402
 
 
 def test_help_names_the_other_commands(capsys):
@@ -26,12 +26,13 @@ def test_each_command_has_its_own_help(command, capsys):
     assert f"python -m fuzz {command}" in capsys.readouterr().out
 
 
-def test_list_names_every_property_with_its_needs(capsys):
+def test_list_shows_every_property_record(capsys):
     assert main(["list"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["property", "needs", "checks"]
+    assert lines[0].split()[:4] == ["property", "runs", "on", "needs"]
     listed = {line.split()[0]: line for line in lines[2:]}
-    assert set(listed) == set(PROPERTIES)
+    assert list(listed) == list(PROPERTIES)
     for name, prop in PROPERTIES.items():
+        assert prop.on.name in listed[name] and prop.summary in listed[name]
         for need in prop.needs:
             assert need in listed[name]

@@ -1,8 +1,11 @@
-"""Property fuzzers over every (implementation, backend) pair of tests/conftest.py's matrix.
+"""Every fuzz property (the records of ``fuzz.fuzzers.PROPERTIES``) on everything it runs on: one
+parametrized test, a row per property and implementation/backend pair (or router), with ids
+``<property>-<impl>@<backend>`` (``-k differential``, ``-k "linearity and native"``). A property is
+added by its record, not here.
 
 Per commit: ``pytest tests/test_fuzz_*.py --hypothesis-profile ci`` (derandomised, small).
-Nightly: ``python -m fuzz`` runs these same tests in a loop with the nightly profile, and
-HypoFuzz discovers them as ordinary ``@given`` tests (README of fuzz: ``hypothesis fuzz``).
+Nightly: ``python -m fuzz`` runs this same test in a loop with the nightly profile, and
+HypoFuzz discovers it as an ordinary ``@given`` test (README of fuzz: ``hypothesis fuzz``).
 Each failure message ends with a one-line ``python -m fuzz replay '...'`` command.
 """
 from __future__ import annotations
@@ -11,90 +14,24 @@ import pytest
 from hypothesis import given, strategies as st
 
 from magi_moe.fuzz import fuzzers, profiles
-from magi_moe.fuzz.properties import campaign_target
-
-BUDGET = profiles.size_budget()
 
 
-def fuzz(prop: str, impl_backend, data) -> None:
-    target = fuzzers.pytest_target(impl_backend, prop)
-    case, params = data.draw(fuzzers.case_strategy(prop, target, budget=BUDGET), label="case, params")
-    fuzzers.run(prop, target, case, params)
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.name == "test_property":
+        metafunc.parametrize(("prop", "subject"), fuzzers.pytest_rows(metafunc.config))
 
 
-@campaign_target
-@profiles.examples(1.0)
+@pytest.fixture(autouse=True)
+def _row_settings(request):
+    """Each row searches with its record's share of the examples, under its own database key."""
+    prop = getattr(getattr(request.node, "callspec", None), "params", {}).get("prop")
+    if isinstance(prop, fuzzers.Property):
+        fuzzers.apply_row_settings(request.function, prop, request.node.nodeid)
+
+
+@fuzzers.campaign_target(by_param="prop")
 @given(data=st.data())
-def test_differential(impl_backend, data):
-    """Agreement with the float64 oracle on the same routes; no unwritten elements."""
-    fuzz("differential", impl_backend, data)
-
-
-@campaign_target
-@profiles.examples(0.5)
-@given(data=st.data())
-def test_token_permutation(impl_backend, data):
-    fuzz("token_permutation", impl_backend, data)
-
-
-@campaign_target
-@profiles.examples(0.5)
-@given(data=st.data())
-def test_head_locality(impl_backend, data):
-    fuzz("head_locality", impl_backend, data)
-
-
-@campaign_target
-@profiles.examples(0.5)
-@given(data=st.data())
-def test_linearity(impl_backend, data):
-    fuzz("linearity", impl_backend, data)
-
-
-@campaign_target
-@profiles.examples(0.75)
-@given(data=st.data())
-def test_empty_experts(impl_backend, data):
-    """(token, head) pairs whose experts were all emptied give exactly zero."""
-    fuzz("empty_experts", impl_backend, data)
-
-
-@campaign_target
-@profiles.examples(0.25)
-@given(data=st.data())
-def test_zero_tokens(impl_backend, data):
-    fuzz("zero_tokens", impl_backend, data)
-
-
-@campaign_target
-@pytest.mark.needs("deterministic")
-@profiles.examples(0.34)
-@given(data=st.data())
-def test_deterministic(impl_backend, data):
-    fuzz("deterministic", impl_backend, data)
-
-
-ROUTERS = [
-    pytest.param("magi_moe.routing:route", "cpu", id="torch@cpu"),
-    pytest.param("magi_moe.routing:route", "cuda", id="torch@cuda", marks=pytest.mark.cuda),
-    pytest.param("magi_moe.kernels.fused_routes:fused_routes", "interpret", id="fused@interpret",
-                 marks=pytest.mark.interpret),
-    pytest.param("magi_moe.kernels.fused_routes:fused_routes", "cuda", id="fused@cuda",
-                 marks=pytest.mark.cuda),
-]
-
-
-@campaign_target
-@pytest.mark.parametrize("router, backend", ROUTERS)
-@profiles.examples(2.0)
-@given(data=st.data())
-def test_tie_rule(router, backend, data):
-    """Every router (torch and fused): exact ties to the lower index, first; NaN last; scores
-    that underflow to zero and infinite ones."""
-    from magi_moe.backends import BACKENDS
-
-    why = BACKENDS[backend].unavailable_reason()
-    if why:
-        pytest.skip(f"backend {backend} unavailable: {why}")
-    case, params = data.draw(fuzzers.case_strategy("tie_rule", budget=BUDGET), label="case, params")
-    fuzzers.run("tie_rule", (router, BACKENDS[backend].device), case, params)
+def test_property(prop, subject, data):
+    target = fuzzers.pytest_target(subject, prop)
+    case, params = data.draw(prop.strategy(target, budget=profiles.size_budget()), label="case, params")
+    prop.run(target, case, params)

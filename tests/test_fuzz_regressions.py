@@ -17,7 +17,7 @@ import copy
 
 import pytest
 
-from magi_moe.fuzz.properties import replay
+from magi_moe.fuzz.fuzzers import replay
 
 SUBNORMAL_ROUTE = {
     "case": {"config": {"dtype": "bfloat16", "head_dim": 64, "intermediate_size": 16,

@@ -24,7 +24,7 @@ redis = pytest.importorskip("redis", reason="the shared database needs the redis
 pytest.importorskip("xdist", reason="the campaign runner scales out with pytest-xdist")
 
 BROKEN = "magi_moe.tests.fuzz_broken:empty_expert_garbage"
-TARGET = "tests/test_fuzz_properties.py::test_empty_experts[broken-empty-expert@cpu]"
+TARGET = "tests/test_fuzz_properties.py::test_property[empty_experts-broken-empty-expert@cpu]"
 
 
 def _free_port() -> int:

@@ -13,7 +13,6 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from magi_moe.fuzz import fuzzers, profiles
-from magi_moe.fuzz.properties import campaign_target
 from magi_moe.fuzz.stateful import (AUDIT_ROUTES, CHANGES, EXPERT_PARAMS, layer_factory_for,
                            weight_swap_machine)
 from magi_moe.config import preset
@@ -27,7 +26,7 @@ TestSnapshotCacheSwaps = weight_swap_machine(snapshot_cache_layer, config=CONFIG
 TestSnapshotCacheSwaps.settings = settings(profiles.examples(1.0), stateful_step_count=20)
 
 
-@campaign_target
+@fuzzers.campaign_target
 @pytest.mark.needs("weight_cache")
 def test_weight_swaps(impl_backend):
     target = fuzzers.pytest_target(impl_backend, "differential")

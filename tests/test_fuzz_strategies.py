@@ -33,6 +33,14 @@ SMALL = preset("small")
     (lambda: expert_cases(routing_kinds=[]), "routing_kinds"),
     (lambda: tie_cases(kinds=["nope"]), "kinds"),
     (lambda: huge_cases(max_extra_tokens=0), "max_extra_tokens"),
+    (lambda: expert_cases(configs=configs(), dtypes=[torch.float16]), "configs or dtypes"),
+    (lambda: expert_cases(tokens=st.just(3), min_tokens=1), "tokens or min_tokens"),
+    (lambda: expert_cases(routings=st.just(RoutingSpec("hot", 0)), routing_kinds=["hot"]),
+     "routings or routing_kinds"),
+    (lambda: expert_cases(configs=[TINY]), "configs must be a Hypothesis strategy"),
+    (lambda: expert_cases(values=7), "values must be a strategy or a function"),
+    (lambda: tie_cases(configs=configs(), score_funcs=["softmax"]), "configs or score_funcs"),
+    (lambda: huge_cases(configs=st.just(TINY), production=False), "configs or production"),
     (lambda: RoutingSpec("sideways", seed=0), "kind"),
     (lambda: ValueSpec(seed=0, x_dist="bimodal"), "x_dist"),
     (lambda: ExpertCase(TINY, 3, RoutingSpec("uniform", 0), ValueSpec(0), empty_banks=(99,)), "empty_banks"),
@@ -56,6 +64,24 @@ def test_expert_cases_round_trip_through_json_and_build_identically(case):
     validate_route_table(a.table, case.config)
     emptied = a.table.counts()[list(case.empty_banks)]
     assert int(emptied.sum()) == 0
+
+
+@settings(max_examples=20, database=None, derandomize=True)
+@given(case=expert_cases(configs=configs(dtypes=st.just(torch.float16), score_funcs=st.just("softmax")),
+                         tokens=lambda cfg: st.integers(1, 5),
+                         routings=lambda cfg: routing_specs(cfg, kinds=st.just("concentrated")),
+                         values=lambda num_tokens: value_specs(num_tokens=num_tokens, clamp_outliers=False),
+                         empty_banks=lambda cfg: st.just((0,))))
+def test_expert_cases_draw_each_part_from_the_strategy_given(case):
+    assert case.config.dtype == torch.float16 and case.config.score_func == "softmax"
+    assert 1 <= case.num_tokens <= 5 and case.routing.kind == "concentrated"
+    assert case.values.outliers == () and case.empty_banks == (0,)
+
+
+@settings(max_examples=20, database=None, derandomize=True)
+@given(case=tie_cases(configs=st.just(SMALL), tokens=st.just(7), kinds=st.just("boundary")))
+def test_tie_cases_draw_each_part_from_the_strategy_given(case):
+    assert case.config == SMALL and case.num_tokens == 7 and case.kind == "boundary"
 
 
 @profiles.examples(2.0)

@@ -9,7 +9,6 @@ import torch
 from magi_moe.config import preset
 from magi_moe.problems import random_problem
 from magi_moe.routing import validate_route_table
-from magi_moe.weights import ExpertWeights
 
 pytestmark = pytest.mark.kernels_only
 
@@ -75,19 +74,39 @@ def test_mismatched_devices_are_named(impl_backend):
         impl_backend.impl(problem.x, problem.table, problem.weights.to(other), problem.config)
 
 
-def test_full_table_validation_catches_inconsistent_hand_built_tables():
-    cfg = preset("tiny")
-    p = random_problem(cfg, 12, seed=0)
-    validate_route_table(p.table, cfg)
-    duplicated = p.table.route_slots.clone()
-    duplicated[1] = duplicated[0]
-    with pytest.raises(ValueError, match="route_slots must be distinct"):
-        validate_route_table(_table(p, route_slots=duplicated), cfg)
-    with pytest.raises(ValueError, match="disagree with table.gather_ids"):
-        validate_route_table(_table(p, gather_ids=p.table.gather_ids.flip(0)), cfg)
-    probs = p.table.sorted_probs.clone()
+def _duplicate_slot(table):
+    slots = table.route_slots.clone()
+    slots[1] = slots[0]
+    return dataclasses.replace(table, route_slots=slots)
+
+
+def _infinite_prob(table):
+    probs = table.sorted_probs.clone()
     probs[0] = float("inf")
-    with pytest.raises(ValueError, match="sorted_probs must be finite"):
-        validate_route_table(_table(p, sorted_probs=probs), cfg)
-    with pytest.raises(ValueError, match="table was built for"):
-        validate_route_table(p.table, cfg.replace(top_k=3))
+    return dataclasses.replace(table, sorted_probs=probs)
+
+
+# (make a bad table from a valid one, config changes, message pattern); all ValueError. In range
+# everywhere, so only the full validation sees them.
+INCONSISTENT_TABLES = [
+    pytest.param(_duplicate_slot, {}, "route_slots must be distinct", id="duplicate-slot"),
+    pytest.param(lambda t: dataclasses.replace(t, gather_ids=t.gather_ids.flip(0)), {},
+                 "disagree with table.gather_ids", id="gather_ids-reversed"),
+    pytest.param(_infinite_prob, {}, "sorted_probs must be finite", id="probs-infinite"),
+    pytest.param(lambda t: t, {"top_k": 3}, "table was built for", id="config-top_k"),
+]
+
+
+def test_full_table_validation_accepts_a_built_table():
+    """The control for the rows below."""
+    cfg = preset("tiny")
+    validate_route_table(random_problem(cfg, 12, seed=0).table, cfg)
+
+
+@pytest.mark.parametrize("make_bad, config_changes, pattern", INCONSISTENT_TABLES)
+def test_full_table_validation_catches_inconsistent_hand_built_tables(make_bad, config_changes,
+                                                                      pattern):
+    cfg = preset("tiny")
+    table = random_problem(cfg, 12, seed=0).table
+    with pytest.raises(ValueError, match=pattern):
+        validate_route_table(make_bad(table), cfg.replace(**config_changes))

@@ -69,15 +69,18 @@ def test_bias_source_chooses_which_bias_routes(source):
         assert torch.equal(bias, sd[f"router.{source}"])
 
 
-def test_from_state_dict_names_missing_unexpected_and_misshapen_keys():
+@pytest.mark.parametrize("make_bad, pattern", [
+    pytest.param(lambda sd: {k: v for k, v in sd.items() if k != "W_up"}, r"missing \['W_up'\]",
+                 id="missing"),
+    pytest.param(lambda sd: {**sd, "extra": torch.zeros(1)}, r"unexpected \['extra'\]",
+                 id="unexpected"),
+    pytest.param(lambda sd: {**sd, "W_down": sd["W_down"].transpose(1, 2)},
+                 r"state_dict\['W_down'\] must have shape \[16, 64, 32\]", id="misshapen"),
+])
+def test_from_state_dict_names_missing_unexpected_and_misshapen_keys(make_bad, pattern):
     cfg = preset("tiny")
-    sd = random_checkpoint(cfg)
-    with pytest.raises(ValueError, match=r"missing \['W_up'\]"):
-        MagiMoE.from_state_dict({k: v for k, v in sd.items() if k != "W_up"}, cfg)
-    with pytest.raises(ValueError, match=r"unexpected \['extra'\]"):
-        MagiMoE.from_state_dict({**sd, "extra": torch.zeros(1)}, cfg)
-    with pytest.raises(ValueError, match=r"state_dict\['W_down'\] must have shape \[16, 64, 32\]"):
-        MagiMoE.from_state_dict({**sd, "W_down": sd["W_down"].transpose(1, 2)}, cfg)
+    with pytest.raises(ValueError, match=pattern):
+        MagiMoE.from_state_dict(make_bad(random_checkpoint(cfg)), cfg)
 
 
 @pytest.mark.parametrize("key", ["gate", "router.expert_bias", "router.expert_bias_ema"])
@@ -90,24 +93,29 @@ def test_non_finite_router_weights_are_rejected_at_load(key):
         MagiMoE.from_state_dict(sd, cfg)
 
 
-def test_forward_rejects_bad_input():
+@pytest.mark.parametrize("make_x, exc, pattern", [
+    pytest.param(lambda H: torch.randn(2, 3, H).bfloat16(), ValueError, "x must have rank 2",
+                 id="rank-3"),
+    pytest.param(lambda H: torch.randn(4, 32).bfloat16(), ValueError, r"x must have shape \[\*, 64\]",
+                 id="width"),
+    pytest.param(lambda H: torch.randn(4, H), ValueError, "x must have dtype bfloat16, got float32",
+                 id="float32"),
+    pytest.param(lambda H: [[0.0] * H], TypeError, "x must be a torch.Tensor", id="list"),
+])
+def test_forward_rejects_bad_input(make_x, exc, pattern):
     cfg = preset("tiny")
     layer = MagiMoE(cfg)
-    with pytest.raises(ValueError, match="x must have rank 2"):
-        layer(torch.randn(2, 3, cfg.hidden_size).bfloat16())
-    with pytest.raises(ValueError, match=r"x must have shape \[\*, 64\]"):
-        layer(torch.randn(4, 32).bfloat16())
-    with pytest.raises(ValueError, match="x must have dtype bfloat16, got float32"):
-        layer(torch.randn(4, cfg.hidden_size))
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        layer([[0.0] * cfg.hidden_size])
+    with pytest.raises(exc, match=pattern):
+        layer(make_x(cfg.hidden_size))
 
 
-def test_layer_rejects_unknown_bias_source_and_implementation():
-    with pytest.raises(ValueError, match="bias_source must be one of"):
-        MagiMoE(preset("tiny"), bias_source="ema")
-    with pytest.raises(ValueError, match="implementation must be one of"):
-        MagiMoE(preset("tiny"), impl="fastest")
+@pytest.mark.parametrize("kwargs, pattern", [
+    pytest.param(dict(bias_source="ema"), "bias_source must be one of", id="bias_source"),
+    pytest.param(dict(impl="fastest"), "implementation must be one of", id="impl"),
+])
+def test_layer_rejects_unknown_bias_source_and_implementation(kwargs, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        MagiMoE(preset("tiny"), **kwargs)
 
 
 def test_dispatch_policy():

@@ -22,7 +22,7 @@ from magi_moe.config import preset
 from magi_moe.problems import random_problem, relative_l2, run_poisoned
 from magi_moe.reference import expert_reference
 from magi_moe.registry import get_implementation, implementations, load_implementation
-from magi_moe.routing import RouteTable, validate_route_table
+from magi_moe.routing import validate_route_table
 
 REPO = Path(__file__).resolve().parent.parent
 SPEC = "magi_moe.tests.outside_impl_example:IMPL"
@@ -84,15 +84,6 @@ def broken_dir(tmp_path) -> Path:
 
 # -- the protocol, for whatever --impl selects --------------------------------------------------
 
-def _partial_table(table: RouteTable, keep: torch.Tensor, num_banks: int) -> RouteTable:
-    """The routes where ``keep`` is True: some (token, head) pairs then have no route at all."""
-    bank = torch.repeat_interleave(torch.arange(num_banks, device=keep.device), table.counts())
-    offsets = torch.zeros(num_banks + 1, dtype=torch.int64, device=keep.device)
-    torch.cumsum(torch.bincount(bank[keep], minlength=num_banks), 0, out=offsets[1:])
-    return RouteTable(table.gather_ids[keep], table.sorted_probs[keep], offsets, table.route_slots[keep],
-                      table.num_tokens, table.num_heads, table.num_experts, table.top_k)
-
-
 def _judge(out: torch.Tensor, problem, impl) -> None:
     """Exact for the float64 oracle; otherwise no worse than the plain bf16 baseline (plus a floor)."""
     p = problem
@@ -105,10 +96,12 @@ def _judge(out: torch.Tensor, problem, impl) -> None:
     assert err <= base_err + 1e-6, f"{impl.name}: relative L2 {err:.3e} > bf16 baseline {base_err:.3e}"
 
 
-def test_protocol_matches_the_oracle(impl_backend):
-    problem = random_problem(preset("small"), 57, seed=31, device=impl_backend.device)
+def test_protocol_matches_the_oracle(impl_backend, impl_dtype):
+    """At every dtype the implementation declares."""
+    problem = random_problem(preset("small").replace(dtype=impl_dtype), 57, seed=31,
+                             device=impl_backend.device)
     out = run_poisoned(impl_backend.impl, problem)
-    assert out.dtype == impl_backend.impl.output_dtype(problem.x.dtype)
+    assert out.dtype == impl_backend.impl.output_dtype(impl_dtype)
     _judge(out, problem, impl_backend.impl)
 
 
@@ -119,7 +112,7 @@ def test_protocol_writes_zeros_where_nothing_is_routed(impl_backend):
     keep = (torch.rand(full.table.num_routes, generator=gen) < 0.4).to(impl_backend.device)
     keep[:3] = False  # at least one (token, head) pair loses all its routes
     problem = type(full)(cfg, full.x, full.gate, full.bias, full.weights, full.routes,
-                         _partial_table(full.table, keep, cfg.num_banks))
+                         full.table.select(keep))  # some (token, head) pairs keep no route
     validate_route_table(problem.table, cfg)
     out = run_poisoned(impl_backend.impl, problem)
     pairs = torch.zeros(40 * cfg.num_heads, dtype=torch.bool, device=out.device)
@@ -207,9 +200,12 @@ def test_named_on_the_command_line_results_carry_its_name(plugin_dir, tmp_path):
         skipped = case.find("skipped")
         outcome[case.get("name")] = "skipped: " + skipped.get("message", "") if skipped is not None else (
             "failed" if case.find("failure") is not None or case.find("error") is not None else "passed")
-    for name in ("torch-einsum", "einsum-plugin"):
-        mine = {t: o for t, o in outcome.items() if t.endswith(f"[{name}@cpu]")}
-        assert len(mine) == 3 and set(mine.values()) == {"passed"}, mine
+    # the oracle test once per declared dtype (bfloat16 and float32; the plugin: bfloat16), then
+    # the zeros and the determinism tests
+    for name, rows in (("torch-einsum", 4), ("einsum-plugin", 3)):
+        mine = {t: o for t, o in outcome.items()
+                if t.endswith(f"[{name}@cpu]") or f"[{name}@cpu-" in t}
+        assert len(mine) == rows and set(mine.values()) == {"passed"}, mine
     contrast = outcome["test_protocol_deterministic_reruns_are_bitwise_equal[torch-bf16@cpu]"]
     assert "torch-bf16 does not declare deterministic" in contrast
     assert all(t.split("[")[-1].split("@")[0] in ("torch-einsum", "einsum-plugin", "torch-bf16")

@@ -239,13 +239,15 @@ def test_head_shards_cover_every_head_once_in_order(heads, world):
     assert sum(s.num_padded for s in shards) == L * world - heads
 
 
-def test_head_shard_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="rank"):
-        HeadShard(3, 2, 2)
-    with pytest.raises(ValueError, match="world_size"):
-        HeadShard(3, 0, 0)
-    with pytest.raises(ValueError, match="config has 2 heads"):
-        HeadShard(3, 2, 0).local_config(preset("tiny"))
+@pytest.mark.parametrize("call, pattern", [
+    pytest.param(lambda: HeadShard(3, 2, 2), "rank", id="rank-past-world"),
+    pytest.param(lambda: HeadShard(3, 0, 0), "world_size", id="world-zero"),
+    pytest.param(lambda: HeadShard(3, 2, 0).local_config(preset("tiny")), "config has 2 heads",
+                 id="config-heads"),
+])
+def test_head_shard_rejects_bad_arguments(call, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        call()
 
 
 def test_unpadded_shard_is_views_of_the_checkpoint():
@@ -271,19 +273,28 @@ def test_padded_shard_copies_its_slice_next_to_zero_heads():
     assert all(not t.any() and t.shape[0] == 2 * E for t in empty.values())
 
 
-def test_shard_state_dict_names_bad_entries():
-    cfg = preset("tiny")
-    ckpt = make_checkpoint(cfg, seed=23)
-    shard = HeadShard(2, 2, 0)
-    with pytest.raises(ValueError, match="router.expert_bias_ema"):
-        shard_state_dict({k: v for k, v in ckpt.items() if k != "router.expert_bias_ema"}, cfg, shard)
-    with pytest.raises(ValueError, match=r"state_dict\['W_down'\]"):
-        shard_state_dict({**ckpt, "W_down": ckpt["W_down"][:, :-16]}, cfg, shard)
+def _nan_in_head_0(ckpt):
     gate = ckpt["gate"].clone()
     gate[3, 5] = float("nan")  # in head 0: rank 0 must refuse it, rank 1 does not hold it
-    with pytest.raises(ValueError, match="gate.*finite"):
-        shard_state_dict({**ckpt, "gate": gate}, cfg, shard)
-    shard_state_dict({**ckpt, "gate": gate}, cfg, HeadShard(2, 2, 1))
+    return {**ckpt, "gate": gate}
+
+
+@pytest.mark.parametrize("make_bad, pattern", [
+    pytest.param(lambda c: {k: v for k, v in c.items() if k != "router.expert_bias_ema"},
+                 "router.expert_bias_ema", id="missing-ema"),
+    pytest.param(lambda c: {**c, "W_down": c["W_down"][:, :-16]}, r"state_dict\['W_down'\]",
+                 id="W_down-shape"),
+    pytest.param(_nan_in_head_0, "gate.*finite", id="gate-nan-in-own-head"),
+])
+def test_shard_state_dict_names_bad_entries(make_bad, pattern):
+    cfg = preset("tiny")
+    with pytest.raises(ValueError, match=pattern):
+        shard_state_dict(make_bad(make_checkpoint(cfg, seed=23)), cfg, HeadShard(2, 2, 0))
+
+
+def test_shard_state_dict_ignores_a_bad_value_in_another_ranks_heads():
+    cfg = preset("tiny")
+    shard_state_dict(_nan_in_head_0(make_checkpoint(cfg, seed=23)), cfg, HeadShard(2, 2, 1))
 
 
 @pytest.mark.parametrize("shard", [HeadShard(5, 4, 3), HeadShard(5, 4, 2), HeadShard(5, 4, 0)],
@@ -304,6 +315,8 @@ def test_drop_padded_routes_keeps_exactly_the_real_heads(shard):
     assert torch.equal(kept.gather_ids, table.gather_ids[real])
     assert torch.equal(kept.sorted_probs, table.sorted_probs[real])
     assert kept.counts()[shard.num_real * E:].sum() == 0
+    assert torch.equal(kept.offsets, table.select(real).offsets)  # the prefix is the mask's table
+    assert kept.trusted  # a prefix of the builder's table: no value check (host sync) on use
 
 
 def test_ep_needs_an_initialised_process_group():
@@ -312,13 +325,15 @@ def test_ep_needs_an_initialised_process_group():
         group_shard(preset("tiny"))
 
 
-def test_ep_refuses_bad_options_before_any_collective():
+@pytest.mark.parametrize("kwargs, pattern", [
+    pytest.param(dict(impl="torch-bf16", deterministic=True),
+                 "'torch-bf16' does not declare 'deterministic'", id="undeclared-determinism"),
+    pytest.param(dict(bias_source="ema"), "bias_source", id="bias_source"),
+])
+def test_ep_refuses_bad_options_before_any_collective(kwargs, pattern):
     cfg = preset("tiny")
-    ckpt = make_checkpoint(cfg, seed=25)
-    with pytest.raises(ValueError, match="'torch-bf16' does not declare 'deterministic'"):
-        ExpertParallelMoE.from_state_dict(ckpt, cfg, impl="torch-bf16", deterministic=True)
-    with pytest.raises(ValueError, match="bias_source"):
-        ExpertParallelMoE.from_state_dict(ckpt, cfg, bias_source="ema")
+    with pytest.raises(ValueError, match=pattern):
+        ExpertParallelMoE.from_state_dict(make_checkpoint(cfg, seed=25), cfg, **kwargs)
 
 
 # -- several processes on gloo ----------------------------------------------------------------

@@ -49,11 +49,10 @@ def test_nan_selection_scores_rank_last(device):
     assert brute_force_topk(scores[0].tolist(), 3) == [3, 5, 1]
 
 
-def test_top_k_outside_range_is_rejected():
-    with pytest.raises(ValueError, match=r"top_k must lie in \[1, 4\]"):
-        select_experts(torch.zeros(2, 4), 5)
-    with pytest.raises(ValueError, match="top_k"):
-        select_experts(torch.zeros(2, 4), 0)
+@pytest.mark.parametrize("top_k", [5, 0], ids=["above-E", "zero"])
+def test_top_k_outside_range_is_rejected(top_k):
+    with pytest.raises(ValueError, match=rf"top_k must lie in \[1, 4\], got {top_k}"):
+        select_experts(torch.zeros(2, 4), top_k)
 
 
 def small_config(**kw):
@@ -167,20 +166,25 @@ def test_zero_tokens_give_an_empty_table():
     validate_route_table(table, cfg)
 
 
-def test_routing_rejects_mismatched_shapes_and_devices():
+# (make bad (x, gate, bias) from valid ones, exception, message pattern)
+BAD_ROUTER_INPUTS = [
+    pytest.param(lambda x, g, b: (x[:, :64], g, b), ValueError, r"x must have shape \[\*, 96\]",
+                 id="x-width"),
+    pytest.param(lambda x, g, b: (x, g[None], b), ValueError, "gate must have rank 2", id="gate-rank"),
+    pytest.param(lambda x, g, b: (x, g, b[:5]), ValueError, r"bias must have shape \[30\]",
+                 id="bias-length"),
+    pytest.param(lambda x, g, b: ([1, 2], g, b), TypeError, "x must be a torch.Tensor", id="x-list"),
+    pytest.param(lambda x, g, b: (x, g.cuda(), b), ValueError, "one device", id="gate-on-cuda",
+                 marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                             reason="no CUDA GPU")]),
+]
+
+
+@pytest.mark.parametrize("make_bad, exc, pattern", BAD_ROUTER_INPUTS)
+def test_routing_rejects_mismatched_shapes_and_devices(make_bad, exc, pattern):
     cfg = small_config()
-    x, gate, bias = random_router(cfg)
-    with pytest.raises(ValueError, match=r"x must have shape \[\*, 96\]"):
-        route(x[:, :64], gate, bias, cfg)
-    with pytest.raises(ValueError, match="gate must have rank 2"):
-        route(x, gate[None], bias, cfg)
-    with pytest.raises(ValueError, match=r"bias must have shape \[30\]"):
-        route(x, gate, bias[:5], cfg)
-    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
-        route(x.numpy() if x.dtype != torch.bfloat16 else [1, 2], gate, bias, cfg)
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="one device"):
-            route(x, gate.cuda(), bias, cfg)
+    with pytest.raises(exc, match=pattern):
+        route(*make_bad(*random_router(cfg)), cfg)
 
 
 def test_production_shape_routing_on_released_preset():
@@ -203,3 +207,119 @@ def test_only_magi_moe_built_tables_are_trusted():
     assert not dataclasses.replace(table, gather_ids=table.gather_ids + 1).trusted
     assert not RouteTable(table.gather_ids, table.sorted_probs, table.offsets, table.route_slots,
                           8, cfg.num_heads, cfg.num_experts, cfg.top_k).trusted
+
+
+# -- RouteTable.select: partial tables ---------------------------------------------------------
+
+def table_from_scratch(routes, cfg, kept_slots: set[int]):
+    """The table of the kept routes built in plain Python: sorted by (bank, slot), which is token
+    order inside a bank; offsets counted per bank."""
+    H, E, K = cfg.num_heads, cfg.num_experts, cfg.top_k
+    ids, probs = routes.expert_ids.reshape(-1).tolist(), routes.probs.reshape(-1).tolist()
+    bank = lambda p: (p // K) % H * E + ids[p]  # noqa: E731  slot p = (s*H + h)*K + k
+    order = sorted(kept_slots, key=lambda p: (bank(p), p))
+    counts = [0] * (H * E)
+    for p in order:
+        counts[bank(p)] += 1
+    return {"gather_ids": [p // (H * K) for p in order], "sorted_probs": [probs[p] for p in order],
+            "offsets": list(itertools.accumulate(counts, initial=0)), "route_slots": order}
+
+
+def as_lists(table) -> dict:
+    return {n: getattr(table, n).tolist() for n in ("gather_ids", "sorted_probs", "offsets",
+                                                    "route_slots")}
+
+
+@pytest.fixture
+def routed():
+    cfg = small_config()
+    x, gate, bias = random_router(cfg, S=40, seed=5)
+    routes = route(x, gate, bias, cfg)
+    return cfg, routes, build_route_table(routes, cfg)
+
+
+def test_select_with_a_mask_matches_a_table_rebuilt_from_scratch(routed):
+    """Routes dropped from the middle of banks, whole banks emptied, first and last routes gone."""
+    cfg, routes, table = routed
+    gen = torch.Generator().manual_seed(6)
+    keep = torch.rand(table.num_routes, generator=gen) < 0.6
+    keep[[0, -1]] = False
+    emptied = [b for b in range(cfg.num_banks) if table.counts()[b] > 0][:2]
+    for b in emptied:
+        keep[int(table.offsets[b]):int(table.offsets[b + 1])] = False
+    kept = table.select(keep)
+    kept_slots = set(table.route_slots[keep].tolist())
+    assert as_lists(kept) == table_from_scratch(routes, cfg, kept_slots)
+    assert all(kept.counts()[b] == 0 for b in emptied)
+    assert not kept.trusted  # checked on use
+    validate_route_table(kept, cfg)
+    assert (kept.num_tokens, kept.num_heads, kept.num_experts, kept.top_k) == (
+        40, cfg.num_heads, cfg.num_experts, cfg.top_k)
+
+
+def test_select_with_indices_is_the_mask_of_those_routes(routed):
+    """Order and repeats of the indices do not matter: the table stays sorted by bank."""
+    _, _, table = routed
+    gen = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, table.num_routes, (150,), generator=gen)  # unordered, with repeats
+    mask = torch.zeros(table.num_routes, dtype=torch.bool)
+    mask[idx] = True
+    assert as_lists(table.select(idx)) == as_lists(table.select(mask))
+    assert as_lists(table.select(idx.int())) == as_lists(table.select(mask))
+
+
+@pytest.mark.parametrize("n", [0, 1, 100, 360], ids=lambda n: f"prefix-{n}")
+def test_select_a_prefix_clamps_the_offsets_and_keeps_trust(routed, n):
+    cfg, routes, table = routed
+    assert table.num_routes == 360
+    kept = table.select(n)
+    assert as_lists(kept) == table_from_scratch(routes, cfg, set(table.route_slots[:n].tolist()))
+    assert kept.trusted  # a prefix of a trusted table is valid by construction
+    validate_route_table(kept, cfg)
+    kept.gather_ids.add_(0)  # a view of the source: a write ends the trust of both
+    assert not kept.trusted and not table.trusted
+
+
+def test_select_keeps_an_untrusted_table_untrusted(routed):
+    import dataclasses
+    cfg, _, table = routed
+    copy = dataclasses.replace(table)
+    assert not copy.trusted
+    assert not copy.select(100).trusted
+    assert not table.select(torch.ones(table.num_routes, dtype=torch.bool)).trusted
+    # garbage offsets stay in bounds: the result is checked on use, not read out of range
+    garbage = dataclasses.replace(table, offsets=table.offsets * 1000 - 7)
+    with pytest.raises(ValueError, match="table.offsets"):
+        validate_route_table(garbage.select(torch.ones(table.num_routes, dtype=torch.bool)), cfg)
+
+
+@pytest.mark.parametrize("keep, exc, pattern", [
+    pytest.param(361, ValueError, r"keep must lie in \[0, 360\] as a prefix length, got 361",
+                 id="prefix-too-long"),
+    pytest.param(-1, ValueError, r"keep must lie in \[0, 360\]", id="prefix-negative"),
+    pytest.param(True, TypeError, "keep must be an int .* got bool", id="bool-scalar"),
+    pytest.param([0, 1], TypeError, "keep must be an int .* got list", id="list"),
+    pytest.param(torch.ones(359, dtype=torch.bool), ValueError, r"keep as a mask must have shape \[360\]",
+                 id="mask-short"),
+    pytest.param(torch.ones(2, 180, dtype=torch.bool), ValueError, r"keep must be a 1-D tensor",
+                 id="mask-2d"),
+    pytest.param(torch.tensor([0, 360]), ValueError, r"keep as indices must lie in \[0, 360\), got "
+                 r"values in \[0, 360\]", id="index-past-the-end"),
+    pytest.param(torch.tensor([-1, 3]), ValueError, r"keep as indices must lie in \[0, 360\)",
+                 id="index-negative"),
+    pytest.param(torch.tensor([0.0, 1.0]), TypeError, "boolean mask or an integer index tensor, got "
+                 "torch.float32", id="float-tensor"),
+    pytest.param(torch.ones(360, dtype=torch.uint8), TypeError, "got torch.uint8", id="uint8-mask"),
+])
+def test_select_rejects_bad_keep(routed, keep, exc, pattern):
+    _, _, table = routed
+    with pytest.raises(exc, match=pattern):
+        table.select(keep)
+    assert table.trusted  # unchanged
+
+
+@pytest.mark.cuda
+def test_select_refuses_a_mask_on_another_device(routed, cuda_device):
+    _, _, table = routed
+    with pytest.raises(ValueError, match="keep must be a 1-D tensor on cpu"):
+        table.select(torch.ones(table.num_routes, dtype=torch.bool, device=cuda_device))
