@@ -50,7 +50,7 @@ def _fused_layer(layer, x):
                               None if bias is None else bias.detach(), layer.W_gate.detach(),
                               layer.W_up.detach(), layer.W_down.detach(),
                               *config_args(layer.config))
-    from .kernels.fused_routing import fused_layer_forward
+    from .kernels.fused_layer import fused_layer_forward
 
     with torch.no_grad():
         layer.weight_cache.ensure(layer.W_gate, layer.W_up)

@@ -33,8 +33,9 @@ from magi_moe.backends import interpreter_enabled
 from magi_moe.config import MoEConfig
 from magi_moe.routing import NORM_EPS, RouteTable
 from magi_moe.validation import check_kernel_device, check_same_device, check_tensor
-from magi_moe.kernels.fused import (BlockSchedule, FusedWorkspace, launch_block_schedule, load_device_entry,
-                    shared_workspace)
+from magi_moe.kernels.schedule import BlockSchedule, launch_block_schedule
+from magi_moe.kernels.tiles import load_device_entry
+from magi_moe.kernels.workspace import FusedWorkspace, shared_workspace
 
 NORM_EPS_VALUE = tl.constexpr(NORM_EPS)
 
@@ -339,7 +340,8 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     """The whole layer on the fused path: :func:`fused_route` (which also builds the block
     schedule) then :func:`~magi_moe.kernels.fused.fused_forward`. Seven launches, no host
     synchronisation, no allocation once warm except ``out`` when not given."""
-    from magi_moe.kernels.fused import choose_fused_tiles, fused_forward
+    from magi_moe.kernels.fused import fused_forward
+    from magi_moe.kernels.tiles import choose_fused_tiles
 
     workspace = workspace or shared_workspace(x.device)
     tiles = choose_fused_tiles(config, x.shape[0] * config.num_heads * config.top_k, x.device)

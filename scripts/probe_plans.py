@@ -19,8 +19,11 @@ from dataclasses import replace
 
 import torch
 
-from magi_moe.benchmark import BenchCase, draw_problem, summarize, time_paths
+from magi_moe.bench.cases import BenchCase, draw_problem
+from magi_moe.bench.timing import summarize, time_paths
 from magi_moe.kernels import fused as F
+from magi_moe.kernels.tiles import choose_fused_tiles, two_kernel_tiles
+from magi_moe.kernels.workspace import FusedWorkspace
 from magi_moe.packed_weights import pack_expert_weights
 
 DEV = torch.device("cuda")
@@ -32,9 +35,9 @@ def median_ms(fn) -> float:
 
 
 def plans(config):
-    tabled = F.choose_fused_tiles(config, 1, DEV)
+    tabled = choose_fused_tiles(config, 1, DEV)
     one = lambda **kw: replace(tabled, gu_variant="mlp_tma", **kw).fitted(config)  # noqa: E731
-    two = F.two_kernel_tiles(tabled, config)
+    two = two_kernel_tiles(tabled, config)
     return {
         "tabled": tabled,
         "mlp bm64 w4": one(block_m=64, gu_warps=4),
@@ -56,7 +59,7 @@ def invariance(report):
         for name, tiles in plans(p.config).items():
             try:
                 y = F.fused_forward(p.x, p.table, packed, p.config, tiles=tiles,
-                                    workspace=F.FusedWorkspace(DEV))
+                                    workspace=FusedWorkspace(DEV))
                 results[name] = y.view(torch.int16).clone()
             except Exception as exc:  # noqa: BLE001 -- a plan that cannot run is reported
                 results[name] = f"{type(exc).__name__}: {exc}"[:200]
@@ -73,7 +76,7 @@ def invariance(report):
 
 
 def layer(report):
-    from magi_moe.benchmark import _layer
+    from magi_moe.bench.paths import _layer
     from magi_moe.impls import FUSED
 
     out = {}
@@ -130,8 +133,8 @@ def tiles(report):
     for case in (BenchCase(3, 512), BenchCase(3, 4096), BenchCase(3, 16384), BenchCase(12, 4096)):
         p = draw_problem(case, DEV)
         packed = pack_expert_weights(p.weights)
-        tabled = F.choose_fused_tiles(p.config, p.table.num_routes, DEV)
-        ws = F.FusedWorkspace(DEV)
+        tabled = choose_fused_tiles(p.config, p.table.num_routes, DEV)
+        ws = FusedWorkspace(DEV)
         base = F.fused_forward(p.x, p.table, packed, p.config, tiles=tabled, workspace=ws).clone()
         cands = {"tabled": tabled}
         for bm, w, bn, st, pp in ((128, 8, 32, 3, 1), (64, 4, 32, 3, 1), (64, 4, 32, 4, 1),
@@ -174,7 +177,7 @@ def routing(report):
     for case in (BenchCase(3, 512), BenchCase(3, 4096), BenchCase(3, 16384), BenchCase(12, 4096)):
         p = draw_problem(case, DEV)
         row = {}
-        ws_new, ws_old = F.FusedWorkspace(DEV), F.FusedWorkspace(DEV)
+        ws_new, ws_old = FusedWorkspace(DEV), FusedWorkspace(DEV)
         new = FR.fused_route(p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_new)
         was = old.fused_route(p.x, p.gate, p.bias, p.config, block_m=128, workspace=ws_old)
         row["same ids"] = bool(torch.equal(new.expert_ids, was.expert_ids))
@@ -212,7 +215,7 @@ def host(report):
     import io
     import pstats
 
-    from magi_moe.benchmark import _layer
+    from magi_moe.bench.paths import _layer
     from magi_moe.impls import FUSED
 
     p = draw_problem(BenchCase(3, 512), DEV)

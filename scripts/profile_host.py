@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from magi_moe.benchmark import BenchCase, draw_problem
+from magi_moe.bench.cases import BenchCase, draw_problem
 from magi_moe.impls import FUSED
 
 tokens = int(sys.argv[1]) if len(sys.argv) > 1 else 512

@@ -50,8 +50,8 @@ class AheadOfTime:
 
 
 KERNELS = {  # module -> kernel names launched through module attributes
-    "magi_moe.kernels.fused": ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
-                               "topk_sum_kernel"),
+    "magi_moe.kernels.schedule": ("block_schedule_kernel",),
+    "magi_moe.kernels.fused": ("gate_up_kernel", "down_kernel", "topk_sum_kernel"),
     "magi_moe.kernels.fused_tma": ("gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel",
                                    "expert_mlp_tma_kernel"),
     "magi_moe.kernels.fused_routing": ("router_topk_kernel", "bank_prefix_kernel",
@@ -68,7 +68,7 @@ def compiling_for(arch: int, log: list):
 
     from triton.backends.compiler import GPUTarget
 
-    from magi_moe.kernels import fused_tma
+    from magi_moe.kernels import device
 
     target = GPUTarget("cuda", arch, 32)
     saved = []
@@ -77,8 +77,10 @@ def compiling_for(arch: int, log: list):
         for name in names:
             saved.append((module, name, getattr(module, name)))
             setattr(module, name, AheadOfTime(getattr(module, name), name, target, log))
-    saved.append((fused_tma, "tma_supported", fused_tma.tma_supported))
-    fused_tma.tma_supported = lambda device: arch >= 90
+    for module in (device, importlib.import_module("magi_moe.kernels.fused")):
+        if hasattr(module, "tma_supported"):
+            saved.append((module, "tma_supported", module.tma_supported))
+            module.tma_supported = lambda _: arch >= 90
     # the launchers refuse CPU tensors outside the interpreter; here nothing runs on them
     for module_name in ("magi_moe.kernels.fused", "magi_moe.kernels.fused_routing"):
         module = importlib.import_module(module_name)
@@ -94,7 +96,10 @@ def compiling_for(arch: int, log: list):
 def main() -> int:
     from magi_moe.config import MoEConfig, preset
     from magi_moe.kernels import fused as F
-    from magi_moe.kernels.fused_routing import RoutingTiles, fused_route
+    from magi_moe.kernels import tiles as T
+    from magi_moe.kernels.fused_routing import fused_route
+    from magi_moe.kernels.tiles import RoutingTiles
+    from magi_moe.kernels.workspace import FusedWorkspace
     from magi_moe.kernels.native import NativeTiles, fit_shared_memory, launch_native
     from magi_moe.packed_weights import pack_expert_weights
     from magi_moe.problems import random_problem
@@ -105,26 +110,26 @@ def main() -> int:
     problem = random_problem(cfg, 96, seed=0)  # CPU tensors: only dtypes and alignment matter
     packed = pack_expert_weights(problem.weights)
     table = problem.table
-    entry = F.load_device_entry("NVIDIA H200")
-    classes = {tiles.fitted(cfg) for _, tiles in F.load_tile_table("NVIDIA H200")}
+    entry = T.load_device_entry("NVIDIA H200")
+    classes = {tiles.fitted(cfg) for _, tiles in T.load_tile_table("NVIDIA H200")}
     routing = RoutingTiles(**entry["routing"]) if entry and "routing" in entry else RoutingTiles()
 
     def expert_launches(tiles):
         F.fused_forward(problem.x, table, packed, cfg, tiles=tiles,
-                        workspace=F.FusedWorkspace("cpu"), check_bounds=False)
+                        workspace=FusedWorkspace("cpu"), check_bounds=False)
 
     with compiling_for(90, log):
         for tiles in sorted(classes, key=repr):       # the H200 tile table, every class,
             expert_launches(tiles)
-            expert_launches(F.two_kernel_tiles(tiles, cfg))  # and its no-TMA fallback
+            expert_launches(T.two_kernel_tiles(tiles, cfg))  # and its no-TMA fallback
         # the two-kernel descriptor variants the sweep may table (session 2's S=16384 entry)
-        previous = F.FusedTiles(gu_variant="tma_gathered", block_m=64, gu_block_n=128,
+        previous = T.FusedTiles(gu_variant="tma_gathered", block_m=64, gu_block_n=128,
                                 gu_block_k=32, gu_stages=4, gu_act_store="tma",
                                 down_variant="tma", down_block_n=128, down_block_k=64,
                                 down_stages=4)
         expert_launches(previous.fitted(cfg))
         fused_route(problem.x, problem.gate, problem.bias, cfg, block_m=64,
-                    workspace=F.FusedWorkspace("cpu"), tiles=routing)
+                    workspace=FusedWorkspace("cpu"), tiles=routing)
         native_start = NativeTiles(block_m=64, block_n=32, num_warps=8, num_stages=2)
         for dtype, head_dim in ((torch.bfloat16, 256), (torch.bfloat16, 272), (torch.float32, 272)):
             c = MoEConfig(num_heads=1, head_dim=head_dim, num_experts=4, top_k=2,
@@ -142,8 +147,8 @@ def main() -> int:
                       deterministic=False, tiles=native_start)
         log[-1]["control"] = "native tiles before fitting, Dh=272"
     with compiling_for(80, log):                      # any other CUDA GPU: the portable tiles
-        expert_launches(F.PORTABLE_TILES.fitted(cfg))
-        expert_launches(replace(F.PORTABLE_TILES, gu_variant="tma").fitted(cfg))  # falls back
+        expert_launches(T.PORTABLE_TILES.fitted(cfg))
+        expert_launches(replace(T.PORTABLE_TILES, gu_variant="tma").fitted(cfg))  # falls back
     for entry in log:
         print(json.dumps(entry))
     return 0

@@ -1,4 +1,4 @@
-"""``python -m magi_moe.benchmark`` refuses at once, with the way out, where it cannot run, and
+"""``python -m magi_moe.bench`` (and its older name ``magi_moe.benchmark``) refuses at once, with the way out, where it cannot run, and
 its table shows every name whole."""
 from __future__ import annotations
 
@@ -11,17 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from magi_moe.benchmark import CPU_SMOKE, cannot_run_here, format_table
+from magi_moe.bench.__main__ import CPU_SMOKE, cannot_run_here, format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
-def test_no_gpu_is_refused_at_once_with_the_interpreter_command():
+@pytest.mark.parametrize("module", ["magi_moe.bench", "magi_moe.benchmark"])
+def test_no_gpu_is_refused_at_once_with_the_interpreter_command(module):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT)
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "magi_moe.benchmark"], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     elapsed = time.perf_counter() - start
     assert done.returncode == 2, done.stderr

@@ -8,8 +8,8 @@ pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
 
 import math
 
-from magi_moe.benchmark import best_tiles, merged_classes
-from magi_moe.kernels.fused import FusedTiles, load_tile_table, write_tile_table
+from magi_moe.bench.sweep import best_tiles, merged_classes
+from magi_moe.kernels.tiles import FusedTiles, load_tile_table, write_tile_table
 
 
 def _sweep(gate_up: dict, down: dict, mlp: dict | None = None) -> dict:

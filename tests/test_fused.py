@@ -25,6 +25,8 @@ import torch
 from magi_moe.backends import BACKENDS
 from magi_moe.config import MoEConfig, preset
 from magi_moe.impls import FUSED
+from magi_moe.kernels.tiles import INTERPRETER_TILES, PORTABLE_TILES, FusedTiles, two_kernel_tiles
+from magi_moe.kernels.workspace import FusedWorkspace
 from magi_moe.problems import Problem, random_problem, relative_l2, routes_to, run_poisoned
 from magi_moe.pytest_plugin import impl_dtype_params
 from magi_moe.reference import expert_reference
@@ -41,6 +43,11 @@ def F():
     """The kernel module, imported only once a backend is known to be usable."""
     from magi_moe.kernels import fused
     return fused
+
+
+def launch_block_schedule(*args, **kwargs):
+    from magi_moe.kernels.schedule import launch_block_schedule as launch
+    return launch(*args, **kwargs)
 
 
 def assert_close_to_oracle(out: torch.Tensor, problem: Problem) -> float:
@@ -68,11 +75,10 @@ def poisoned_forward(problem: Problem, weights: ExpertWeights | None = None) -> 
 # block schedule
 # ---------------------------------------------------------------------------------------------
 def test_block_schedule_worked_example(device):
-    """The example in fused.py's docstring, from offsets and from counts."""
-    fused = F()
-    ws = fused.FusedWorkspace(device)
+    """The example in kernels/schedule.py's docstring, from offsets and from counts."""
+    ws = FusedWorkspace(device)
     offsets = torch.tensor([0, 3, 3, 4], dtype=torch.int64, device=device)
-    sched = fused.launch_block_schedule(offsets, 4, 3, 2, ws)
+    sched = launch_block_schedule(offsets, 4, 3, 2, ws)
     n = int(sched.block_count)
     assert n == 3 and sched.max_blocks == 2 + 3
     assert sched.block_bank[:n].tolist() == [0, 0, 2]
@@ -80,7 +86,7 @@ def test_block_schedule_worked_example(device):
 
     written = torch.full((4,), -5, dtype=torch.int64, device=device)
     counts = torch.tensor([3, 0, 1], dtype=torch.int32, device=device)
-    sched = fused.launch_block_schedule(written, 4, 3, 2, ws, counts=counts)
+    sched = launch_block_schedule(written, 4, 3, 2, ws, counts=counts)
     assert written.tolist() == [0, 3, 3, 4]
     assert sched.block_bank[:int(sched.block_count)].tolist() == [0, 0, 2]
 
@@ -91,7 +97,6 @@ def test_block_schedule_covers_every_route_within_the_bound(device, block_m, fro
     """Several programs fill the schedule, each looping over chunks of it (block_m=1 gives over
     three hundred slots: more 64-slot chunks than the interpreter's four programs); from counts,
     the offsets they write must be the CSR cumsum."""
-    fused = F()
     gen = torch.Generator().manual_seed(block_m)
     counts = torch.randint(0, 3 * block_m, (50,), generator=gen)
     counts[::7] = 0          # empty banks
@@ -99,14 +104,14 @@ def test_block_schedule_covers_every_route_within_the_bound(device, block_m, fro
     offsets = torch.zeros(51, dtype=torch.int64)
     offsets[1:] = torch.cumsum(counts, 0)
     R = int(offsets[-1])
-    ws = fused.FusedWorkspace(device)
+    ws = FusedWorkspace(device)
     if from_counts:
         written = torch.full((51,), -5, dtype=torch.int64, device=device)
-        sched = fused.launch_block_schedule(written, R, 50, block_m, ws,
+        sched = launch_block_schedule(written, R, 50, block_m, ws,
                                             counts=counts.to(torch.int32).to(device))
         assert written.cpu().tolist() == offsets.tolist()
     else:
-        sched = fused.launch_block_schedule(offsets.to(device), R, 50, block_m, ws)
+        sched = launch_block_schedule(offsets.to(device), R, 50, block_m, ws)
     n = int(sched.block_count)
     assert n == int(((counts + block_m - 1) // block_m).sum()) <= sched.max_blocks
     bank = sched.block_bank[:n].cpu().long()
@@ -161,37 +166,26 @@ def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     fused = F()
     cfg = MoEConfig(num_heads=2, head_dim=head_dim, num_experts=4, top_k=2, intermediate_size=64)
     problem = random_problem(cfg, 37, seed=head_dim, device=device)
-    tiles = fused.FusedTiles(**{**vars(fused.INTERPRETER_TILES), **variant}).fitted(cfg)
+    tiles = FusedTiles(**{**vars(INTERPRETER_TILES), **variant}).fitted(cfg)
     out = torch.full_like(problem.x, float("nan"))
     fused.fused_forward(problem.x, problem.table, problem.weights, cfg, out=out, tiles=tiles,
-                        workspace=fused.FusedWorkspace(device))
+                        workspace=FusedWorkspace(device))
     assert_close_to_oracle(out, problem)
 
 
-class RecordingKernel:
-    """Stands in for a Triton kernel and records each launch by name."""
-
-    def __init__(self, kernel, name: str, log: list):
-        self.kernel, self.name, self.log = kernel, name, log
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.log.append(self.name)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-    def warmup(self, *args, **kwargs):  # compiles without launching: not recorded
-        return self.kernel.warmup(*args, **kwargs)
+DESCRIPTOR_KERNELS = ("gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel",
+                      "expert_mlp_tma_kernel")
 
 
-@pytest.fixture
-def descriptor_launches(monkeypatch) -> list:
-    from magi_moe.kernels import fused_tma
-    log: list = []
-    for name in ("gate_up_tma_kernel", "down_tma_kernel", "gather_rows_kernel",
-                 "expert_mlp_tma_kernel"):
-        monkeypatch.setattr(fused_tma, name, RecordingKernel(getattr(fused_tma, name), name, log))
-    return log
+def _plan(problem: Problem, tiles, weights: ExpertWeights | None = None):
+    """The launch plan fused_forward runs for this problem and these tiles."""
+    plan, _ = F().fused_call(problem.x, problem.table, weights or problem.weights, problem.config,
+                             tiles=tiles, workspace=FusedWorkspace(problem.x.device))
+    return plan
+
+
+def _descriptor_kernels(plan) -> list[str]:
+    return [k for k in plan.kernels if k in DESCRIPTOR_KERNELS]
 
 
 def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None) -> torch.Tensor:
@@ -201,38 +195,39 @@ def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None)
     out = torch.full_like(problem.x, float("nan"))
     with poison_workspaces():
         fused.fused_forward(problem.x, problem.table, weights or problem.weights, problem.config,
-                            out=out, tiles=tiles, workspace=fused.FusedWorkspace(problem.x.device))
+                            out=out, tiles=tiles, workspace=FusedWorkspace(problem.x.device))
     return out
 
 
 @pytest.mark.parametrize("gu_variant,act_store", [("tma", "ptr"), ("tma_gathered", "ptr"),
                                                   ("tma_gathered", "tma"), ("mlp_tma", "ptr")])
-def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant, act_store,
-                                                                    descriptor_launches):
-    """The descriptor kernels are really launched (no silent fallback) and compute what the
-    pointer kernels compute: the same bits under the interpreter (same operations in the same
-    order), the oracle's accuracy on a GPU."""
-    from magi_moe.kernels.fused_tma import tma_supported
+def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant, act_store):
+    """The plan runs the descriptor kernels (no fallback) and they compute what the pointer
+    kernels compute: the same bits under the interpreter (same operations in the same order),
+    the oracle's accuracy on a GPU."""
+    from magi_moe.kernels.device import tma_supported
 
-    fused = F()
     if not tma_supported(device):
         pytest.skip("tensor descriptors need Hopper or later")
     problem = random_problem(preset("small"), 45, seed=21, device=device)
-    base = fused.INTERPRETER_TILES if device.type == "cpu" else fused.PORTABLE_TILES
+    base = INTERPRETER_TILES if device.type == "cpu" else PORTABLE_TILES
     # mlp_tma reduces over all of Dh in one dot and over I in steps of gu_block_n: the pointer
     # kernels take the same steps, so the interpreter's sums match.
     whole = gu_variant == "mlp_tma"
-    pointer = fused.FusedTiles(**{**vars(base), "gu_block_k": 256 if whole else 32,
-                                  "gu_block_n": 32, "down_block_k": 32}).fitted(problem.config)
-    descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": gu_variant,
-                                     "gu_act_store": act_store, "down_variant": "tma"})
+    pointer = FusedTiles(**{**vars(base), "gu_block_k": 256 if whole else 32,
+                            "gu_block_n": 32, "down_block_k": 32}).fitted(problem.config)
+    descriptor = FusedTiles(**{**vars(pointer), "gu_variant": gu_variant,
+                               "gu_act_store": act_store, "down_variant": "tma"})
+    assert _descriptor_kernels(_plan(problem, pointer)) == []
+    plan = _plan(problem, descriptor)
+    assert plan.reasons == ()
+    assert _descriptor_kernels(plan) == {
+        "tma": ["gate_up_tma_kernel", "down_tma_kernel"],
+        "tma_gathered": ["gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel"],
+        "mlp_tma": ["expert_mlp_tma_kernel"]}[gu_variant]
+    assert plan.step(plan.kernels[1]).tiles.gu_act_store == act_store
     want = _forward_with(problem, pointer)
-    assert descriptor_launches == []
     got = _forward_with(problem, descriptor)
-    expected = {"tma": ["gate_up_tma_kernel", "down_tma_kernel"],
-                "tma_gathered": ["gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel"],
-                "mlp_tma": ["expert_mlp_tma_kernel"]}[gu_variant]
-    assert descriptor_launches == expected
     if device.type == "cpu":
         assert torch.equal(got, want)
     else:
@@ -240,11 +235,10 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
 
 
 @pytest.mark.parametrize("gu_variant", ["tma", "mlp_tma"])
-def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant,
-                                                            descriptor_launches):
-    """A weight whose base is not 16-byte aligned cannot be a TMA source: the pointer kernels
-    run instead, with the same result (for a one-kernel entry, with its fallback tiles)."""
-    fused = F()
+def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant):
+    """A weight whose base is not 16-byte aligned cannot be a TMA source: the plan runs the
+    pointer kernels instead and says why, with the same result (for a one-kernel entry, on its
+    fallback tiles)."""
     problem = random_problem(preset("small"), 29, seed=22, device=device)
     w = problem.weights
     storage = torch.empty(w.w_down.numel() + 1, dtype=w.w_down.dtype, device=device)
@@ -254,18 +248,38 @@ def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant,
     odd_gate = gate_storage[1:].view(w.w_gate.shape)
     odd_gate.copy_(w.w_gate)
     weights = ExpertWeights(odd_gate, w.w_up, odd)
-    base = fused.INTERPRETER_TILES if device.type == "cpu" else fused.PORTABLE_TILES
+    base = INTERPRETER_TILES if device.type == "cpu" else PORTABLE_TILES
     pointer = base.fitted(problem.config)
     if gu_variant == "mlp_tma":  # shaped like the H200 table's one-kernel entries
-        descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": "mlp_tma", "block_m": 128,
-                                         "gu_block_n": 32, "gu_block_k": 256, "gu_warps": 8})
-        pointer = fused.two_kernel_tiles(descriptor, problem.config)
+        descriptor = FusedTiles(**{**vars(pointer), "gu_variant": "mlp_tma", "block_m": 128,
+                                   "gu_block_n": 32, "gu_block_k": 256, "gu_warps": 8})
+        pointer = two_kernel_tiles(descriptor, problem.config)
         assert pointer.gu_variant == "kloop" and pointer.block_m == 128
     else:
-        descriptor = fused.FusedTiles(**{**vars(pointer), "gu_variant": "tma", "down_variant": "tma"})
-    got = _forward_with(problem, descriptor, weights)
-    assert descriptor_launches == []
-    assert torch.equal(got, _forward_with(problem, pointer, weights))
+        descriptor = FusedTiles(**{**vars(pointer), "gu_variant": "tma", "down_variant": "tma"})
+    plan = _plan(problem, descriptor, weights)
+    assert plan.kernels == ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
+                            "topk_sum_kernel")
+    aligned = "base address not 16-byte aligned"
+    if gu_variant == "mlp_tma":
+        assert plan.reasons == (f"gu_variant 'mlp_tma' -> gate_up_kernel + down_kernel: "
+                                f"w_gate: {aligned}; w_down: {aligned}",)
+        assert plan.step("gate_up_kernel").tiles == pointer
+    else:
+        assert plan.reasons == (f"gu_variant 'tma' -> gate_up_kernel: w_gate: {aligned}",
+                                f"down_variant 'tma' -> down_kernel: w_down: {aligned}")
+    assert torch.equal(_forward_with(problem, descriptor, weights),
+                       _forward_with(problem, pointer, weights))
+
+
+def test_the_interpreter_default_plan_is_the_kloop_and_pointer_pair(device):
+    if device.type != "cpu":
+        pytest.skip("the interpreter's tiles")
+    problem = random_problem(preset("small"), 20, seed=23, device=device)
+    plan = _plan(problem, None)
+    assert plan.kernels == ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
+                            "topk_sum_kernel")
+    assert plan.reasons == () and plan.asked == INTERPRETER_TILES.fitted(problem.config)
 
 
 @pytest.mark.parametrize("inter", [32, 64])
@@ -273,11 +287,10 @@ def test_one_kernel_tiles_on_a_single_activation_slice(device, inter):
     """I = gu_block_n leaves the one-kernel loop a single trip; on the H200 Triton 3.6 then asked
     353 KiB of shared memory (found by the int64 test), so the launcher checks the compiled
     kernel and falls back: either way the result must be right, never OutOfResources."""
-    fused = F()
     cfg = MoEConfig(num_heads=2, head_dim=256, num_experts=4, top_k=2, intermediate_size=inter)
     problem = random_problem(cfg, 24, seed=inter, device=device)
-    tiles = fused.FusedTiles(gu_variant="mlp_tma", block_m=128, gu_block_n=32, gu_block_k=256,
-                             gu_warps=8, gu_stages=3).fitted(cfg)
+    tiles = FusedTiles(gu_variant="mlp_tma", block_m=128, gu_block_n=32, gu_block_k=256,
+                       gu_warps=8, gu_stages=3).fitted(cfg)
     assert_close_to_oracle(_forward_with(problem, tiles), problem)
 
 
@@ -305,7 +318,7 @@ def test_hot_expert_across_many_blocks(device):
 def test_workspace_is_reused_once_warm(device):
     fused = F()
     problem = random_problem(preset("tiny"), 30, seed=15, device=device)
-    ws = fused.FusedWorkspace(device)
+    ws = FusedWorkspace(device)
     out = torch.empty_like(problem.x)
     fused.fused_forward(problem.x, problem.table, problem.weights, problem.config, out=out,
                         workspace=ws)
@@ -350,6 +363,8 @@ INT64_SCRIPT = textwrap.dedent("""
     import torch
     from magi_moe.config import MoEConfig
     from magi_moe.kernels import fused
+    from magi_moe.kernels.tiles import choose_fused_tiles
+    from magi_moe.kernels.workspace import FusedWorkspace
     from magi_moe.reference import swiglu7
     from magi_moe.routing import RouteTable, Routes, build_route_table
     from magi_moe.weights import random_weights
@@ -375,8 +390,8 @@ INT64_SCRIPT = textwrap.dedent("""
     rows = torch.empty(table.num_routes, Dh, device=device)
     slot_route = torch.empty(S * H, dtype=torch.int32, device=device)
     fused.launch_route_rows(x, table, weights.to(device), cfg, rows, slot_route,
-                            tiles=fused.choose_fused_tiles(cfg, table.num_routes, device),
-                            workspace=fused.FusedWorkspace(device))
+                            tiles=choose_fused_tiles(cfg, table.num_routes, device),
+                            workspace=FusedWorkspace(device))
     want = []
     for r in range(small.num_routes):  # float64 p * expert(x) per route
         i, h = int(small.gather_ids[r]), int(small.route_slots[r]) % H
@@ -409,7 +424,7 @@ def test_int64_offsets_past_2_31(device):
 # ---------------------------------------------------------------------------------------------
 def fused_route(x, gate, bias, cfg):
     from magi_moe.kernels.fused_routing import fused_route as run
-    return run(x, gate, bias, cfg, workspace=F().FusedWorkspace(x.device))
+    return run(x, gate, bias, cfg, workspace=FusedWorkspace(x.device))
 
 
 def assert_same_routing(fr, routes: Routes, cfg: MoEConfig) -> None:
@@ -509,7 +524,7 @@ def cuda_only(request) -> torch.device:
 
 
 def production_problem(device, heads=3, tokens=4096):
-    from magi_moe.benchmark import BenchCase, draw_problem
+    from magi_moe.bench.cases import BenchCase, draw_problem
     return draw_problem(BenchCase(heads, tokens, seed=5), device)
 
 

@@ -1,12 +1,10 @@
-"""The fused BF16 expert path: a grouped GEMM over padded per-expert row blocks, no atomics.
+"""The fused BF16 path's expert GEMMs: a grouped GEMM over padded per-expert row blocks, no atomics.
 
 Four launches, none of them sized by a count read back to the host:
 
-1. ``block_schedule_kernel``: from the CSR offsets, the blocks of ``BLOCK_M``
-   routes of every bank ``f = h*E + e``, written into an upper-bound buffer, and the live block
-   count into a one-element device buffer. Worked example (``BLOCK_M = 2``):
-   ``offsets = [0, 3, 3, 4]`` -> ``block_bank = [0, 0, 2]``, ``block_start = [0, 2, 3]``,
-   ``block_count = 3``; the upper bound is ``cdiv(R, BLOCK_M) + min(H*E, R)``.
+1. ``block_schedule_kernel`` (:mod:`.schedule`, with a worked example): from the CSR offsets,
+   the blocks of ``BLOCK_M`` routes of every bank ``f = h*E + e``, written into an upper-bound
+   buffer, and the live block count into a one-element device buffer.
 2. ``gate_up_kernel`` (persistent): for each (live block, ``BLOCK_N`` columns of ``I``), the
    block's tokens' ``x`` rows gathered on the fly, ``g = x W_gate`` and ``u = x W_up``
    accumulated in fp32, ``a = SwiGLU7(g, u)`` in fp32 rounded once to bf16, stored into the
@@ -47,18 +45,13 @@ arithmetic there (``rounding.round_to``).
 """
 from __future__ import annotations
 
-import json
-import math
-import os
-from dataclasses import asdict, dataclass, fields, replace
-from functools import lru_cache
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from .. import debug
 from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..inputs import check_expert_inputs
@@ -67,71 +60,21 @@ from ..validation import check_kernel_device, check_tensor
 from ..weights import ExpertWeights
 from . import fused_tma as T
 from .blocks import block_rows, store_activation, store_weighted_rows
-from .native import shared_memory_limit
+from .descriptors import banked_descriptor, matrix_descriptor
+from .device import device_facts
+from .plan import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA, GATHER_ROWS, SCHEDULE,
+                   TOPK_SUM, LaunchPlan, LaunchStep, plan_fused)
 from .rounding import round_to
+from .schedule import BlockSchedule, fill_block_schedule, max_blocks, schedule_buffers
+from .tiles import INTERPRETER_TILES, FusedTiles, choose_fused_tiles
+from .workspace import FusedWorkspace, shared_workspace
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
-TILE_TABLE_DIR = Path(__file__).with_name("tiles")
 
 
 # ---------------------------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------------------------
-@triton.jit
-def block_schedule_kernel(
-    offsets_ptr,      # [H*E + 1] int64 CSR offsets: read, or written when FROM_COUNTS
-    counts_ptr,       # [H*E] int32 routes per bank (read only when FROM_COUNTS)
-    block_bank_ptr,   # [max_blocks] int32 out: bank of each live block
-    block_start_ptr,  # [max_blocks] int64 out: CSR index of each live block's first route
-    block_count_ptr,  # [1] int32 out: the live block count (read by the expert kernels)
-    num_banks,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    BANKS_PAD: tl.constexpr,   # power of two >= num_banks
-    SLOTS: tl.constexpr,       # schedule slots filled by each program
-    FROM_COUNTS: tl.constexpr,
-):
-    # Every program works out all banks' block ranges (a cumsum over H*E values) and fills
-    # chunks of SLOTS schedule entries: no program waits on another, and none loops over the
-    # busiest bank's blocks (the one-program form took 36 us at S=16384, NOTES-perf.md). The
-    # grid is capped (the launcher's choice) so the cumsum is not redone thousands of times.
-    pid = tl.program_id(0)
-    f = tl.arange(0, BANKS_PAD)
-    live = f < num_banks
-    if FROM_COUNTS:
-        counts = tl.load(counts_ptr + f, mask=live, other=0).to(tl.int64)
-        ends = tl.cumsum(counts, 0)
-        starts = ends - counts
-        if pid == 0:
-            tl.store(offsets_ptr + 1 + f, ends, mask=live)
-            tl.store(offsets_ptr + f, starts, mask=f == 0)
-    else:
-        starts = tl.load(offsets_ptr + f, mask=live, other=0)
-        counts = tl.load(offsets_ptr + 1 + f, mask=live, other=0) - starts
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    blocks_end = tl.cumsum(blocks, 0)
-    # A malformed table could claim more blocks than the buffer holds: never run past it.
-    live_blocks = tl.minimum(tl.sum(blocks, 0), max_blocks)
-    if pid == 0:
-        tl.store(block_count_ptr, live_blocks.to(tl.int32))
-    # Bank f owns slots blocks_end[f] - blocks[f] .. blocks_end[f] - 1; slot j of it starts
-    # at route starts[f] + j * BLOCK_M, i.e. at base[f] + slot * BLOCK_M.
-    base = starts - (blocks_end - blocks) * BLOCK_M
-    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
-    num_chunks = tl.cdiv(live_blocks, SLOTS)
-    chunk = pid
-    while chunk < num_chunks:
-        slot = tl.cast(chunk, tl.int64) * SLOTS + tl.arange(0, SLOTS).to(tl.int64)
-        owner = ((slot[:, None] >= (blocks_end - blocks)[None, :])
-                 & (slot[:, None] < blocks_end[None, :]))
-        bank = tl.sum(tl.where(owner, f[None, :], 0), 1)
-        start = tl.sum(tl.where(owner, base[None, :], 0), 1) + slot * BLOCK_M
-        m = slot < live_blocks
-        tl.store(block_bank_ptr + slot, bank.to(tl.int32), mask=m)
-        tl.store(block_start_ptr + slot, start, mask=m)
-        chunk += tl.num_programs(0)
-
-
 @triton.jit
 def gate_up_kernel(
     # pointers
@@ -289,272 +232,8 @@ def topk_sum_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# tiles
+# launchers
 # ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FusedTiles:
-    """Block shapes of the three expert kernels. ``block_m`` is shared: it sets the padding."""
-
-    block_m: int = 64
-    gu_block_n: int = 64
-    gu_block_k: int = 64
-    gu_warps: int = 4
-    gu_stages: int = 3
-    # "kloop": K-loop per column tile; "tma": kloop with weight tiles by tensor descriptor;
-    # "tma_gathered": x rows gathered first, both operands by descriptor; "mlp_tma": gate/up
-    # and the down projection of a whole row block in one work item, x rows loaded once,
-    # [Dh, gu_block_n] weight tiles streamed, no activation buffer (the down_* fields are then
-    # unused; gu_block_k is the whole Dh). All in kernels/fused_tma.py. Descriptor
-    # variants fall back to "kloop" (and the down kernel) where TMA is unavailable (before
-    # Hopper, unaligned weights; for "mlp_tma" also a head width not a power of two).
-    gu_variant: str = "kloop"
-    gu_maxnreg: int = 0         # register cap per thread (0: the compiler's choice), for occupancy
-    gu_act_store: str = "ptr"   # descriptor variants: "ptr" or "tma" store of the activation
-    down_block_n: int = 128
-    down_block_k: int = 64
-    down_warps: int = 4
-    down_stages: int = 3
-    down_variant: str = "ptr"   # "ptr": pointer loads; "tma": both operands by descriptor
-    sum_block_t: int = 16
-    sum_warps: int = 4
-    # Persistent grids: programs per multiprocessor (the occupancy the tiles allow).
-    gu_programs_per_sm: int = 1
-    down_programs_per_sm: int = 1
-
-    def fitted(self, config: MoEConfig) -> "FusedTiles":
-        """The same tiles with N/K blocks shrunk to powers of two dividing the widths (the
-        config guarantees multiples of 16), so the kernels' inner loops need no masks."""
-        Dh, I = config.head_dim, config.intermediate_size
-        return FusedTiles(**{**asdict(self),
-                             "gu_block_n": _divisor_block(I, self.gu_block_n),
-                             "gu_block_k": _divisor_block(Dh, self.gu_block_k),
-                             "down_block_n": _divisor_block(Dh, self.down_block_n),
-                             "down_block_k": _divisor_block(I, self.down_block_k)})
-
-
-def _divisor_block(width: int, want: int) -> int:
-    block = min(want, 1 << (width.bit_length() - 1))
-    while width % block:
-        block //= 2
-    return max(block, 1)
-
-
-# The interpreter pays per program and per operation, not per element: small row blocks (little
-# padding), whole widths per program (few programs, few loop trips), one warp.
-INTERPRETER_TILES = FusedTiles(block_m=16, gu_block_n=256, gu_block_k=256, gu_warps=1,
-                               gu_stages=1, down_block_n=256, down_block_k=256, down_warps=1,
-                               down_stages=1, sum_block_t=64, sum_warps=1)
-# Any CUDA GPU without a table entry (Ampere and later run these).
-PORTABLE_TILES = FusedTiles(block_m=64, gu_block_n=64, gu_block_k=64, gu_warps=4, gu_stages=2,
-                            down_block_n=128, down_block_k=32, down_warps=4, down_stages=2)
-
-
-def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
-    """Tiles for the gate/up and down kernels where a one-kernel ("mlp_tma") entry cannot run
-    (no TMA, unaligned weights, a head width not a power of two, a compiled kernel larger than
-    the GPU's shared memory): the portable tiles at the
-    entry's ``block_m``, so a block schedule already built for it still fits. A one-kernel
-    entry's own gu_* fields size a whole-head reduction and would not fit a K loop's stages."""
-    if tiles.gu_variant != "mlp_tma":
-        return tiles
-    warps = 8 if tiles.block_m >= 128 else 4
-    return replace(PORTABLE_TILES, block_m=tiles.block_m, gu_warps=warps, down_warps=warps,
-                   sum_block_t=tiles.sum_block_t, sum_warps=tiles.sum_warps).fitted(config)
-
-
-@lru_cache(maxsize=None)
-def load_device_entry(device_name: str, path: Path | None = None) -> dict | None:
-    """This GPU's entry of ``tiles/fused.json`` (written by ``magi_moe.benchmark --sweep``), or
-    None when it has none: the first entry whose ``match`` is a substring of the name."""
-    path = path or TILE_TABLE_DIR / "fused.json"
-    if not path.exists():
-        return None
-    for entry in json.loads(path.read_text()).get("devices", []):
-        if entry["match"].lower() in device_name.lower():
-            return entry
-    return None
-
-
-@lru_cache(maxsize=None)
-def load_tile_table(device_name: str, path: Path | None = None) -> list[tuple[float, FusedTiles]] | None:
-    """The tabled expert-kernel tiles for a GPU: (routes-per-bank upper edge, tiles), sorted."""
-    entry = load_device_entry(device_name, path)
-    if entry is None:
-        return None
-    known = {f.name for f in fields(FusedTiles)}
-    classes = []
-    for cls in entry["classes"]:
-        edge = cls["max_routes_per_bank"]
-        tiles = FusedTiles(**{k: v for k, v in cls["tiles"].items() if k in known})
-        classes.append((math.inf if edge is None else float(edge), tiles))
-    return sorted(classes, key=lambda c: c[0])
-
-
-def write_tile_table(device_match: str, classes: list[tuple[float | None, FusedTiles]], *,
-                     routing: dict | None = None, note: str = "", path: Path | None = None) -> Path:
-    """Write (or replace) one GPU's entry in ``tiles/fused.json``: the format
-    :func:`load_tile_table` reads. ``classes``: (routes-per-bank upper edge or None, tiles)."""
-    path = path or TILE_TABLE_DIR / "fused.json"
-    table = json.loads(path.read_text()) if path.exists() else {}
-    table.setdefault("format", "devices[].match is a substring of torch.cuda.get_device_name(); "
-                     "classes[] apply up to max_routes_per_bank = R / (H*E) (null: no limit)")
-    entries = [e for e in table.get("devices", []) if e["match"] != device_match]
-    entries.append({"match": device_match, "note": note, "classes": [
-        {"max_routes_per_bank": None if edge is None or math.isinf(edge) else edge,
-         "tiles": asdict(tiles)} for edge, tiles in classes]})
-    if routing is not None:
-        entries[-1]["routing"] = routing
-    table["devices"] = entries
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    load_device_entry.cache_clear()
-    load_tile_table.cache_clear()
-    return path
-
-
-def choose_fused_tiles(config: MoEConfig, num_routes: int, device: torch.device) -> FusedTiles:
-    """Tiles for this shape and device, looked up by mean routes per bank (the padding and the
-    weight reuse both follow it). ``MAGI_MOE_FUSED_TILES`` (JSON of FusedTiles fields) overrides,
-    for sweeps."""
-    override = os.environ.get("MAGI_MOE_FUSED_TILES")
-    if override:
-        return FusedTiles(**{**asdict(PORTABLE_TILES), **json.loads(override)}).fitted(config)
-    if device.type != "cuda":
-        return INTERPRETER_TILES.fitted(config)
-    classes = load_tile_table(torch.cuda.get_device_name(device))
-    if not classes:
-        return PORTABLE_TILES.fitted(config)
-    per_bank = num_routes / max(config.num_banks, 1)
-    for edge, tiles in classes:
-        if per_bank <= edge:
-            return tiles.fitted(config)
-    return classes[-1][1].fitted(config)
-
-
-def max_blocks(num_routes: int, num_banks: int, block_m: int) -> int:
-    """Upper bound on ``sum_f cdiv(count_f, block_m)`` known without reading the counts: each
-    nonempty bank wastes less than one block, and at most ``min(H*E, R)`` banks are nonempty."""
-    return triton.cdiv(num_routes, block_m) + min(num_banks, num_routes)
-
-
-# ---------------------------------------------------------------------------------------------
-# workspace
-# ---------------------------------------------------------------------------------------------
-class FusedWorkspace:
-    """Grow-only device buffers reused call after call, so a warm call allocates nothing.
-
-    Each named buffer is one flat allocation; a call takes a view of the size it needs and a
-    larger request reallocates (``allocations`` counts those). One workspace serves every
-    layer on its device: calls on one device must be ordered (one stream), as they are within a
-    model's forward. Under :func:`magi_moe.debug.poison_workspaces` float buffers are refilled
-    with NaN (and integer ones with -1) on every request, so an element a kernel should have
-    written and did not shows up in the output."""
-
-    def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        self._buffers: dict[str, torch.Tensor] = {}
-        self.allocations = 0
-        # Once a CUDA graph captured calls on this workspace, a buffer it replaced may still be
-        # written by a replay: such buffers are kept (never handed back to the allocator).
-        self.captured = False
-        self._retired: list[torch.Tensor] = []
-
-    def note_capture(self) -> None:
-        """Call once per forward: remembers that a CUDA graph is capturing calls on this
-        workspace (about a microsecond of host time; nothing on a CPU)."""
-        if not self.captured and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            self.captured = True
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        numel = math.prod(shape)
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            if buf is not None and self.captured:
-                self._retired.append(buf)
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
-            self._buffers[name] = buf
-            self.allocations += 1
-        view = buf[:numel].view(shape)
-        if debug._poison:  # noqa: SLF001 (the debug switch is module state by design)
-            view.fill_(float("nan") if dtype.is_floating_point else -1)
-        return view
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
-_WORKSPACES: dict[torch.device, FusedWorkspace] = {}
-
-
-def shared_workspace(device: torch.device | str) -> FusedWorkspace:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    ws = _WORKSPACES.get(device)
-    if ws is None:
-        ws = _WORKSPACES[device] = FusedWorkspace(device)
-    return ws
-
-
-# ---------------------------------------------------------------------------------------------
-# launch wrappers
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class BlockSchedule:
-    """Device-side block schedule: ``block_bank`` int32 and ``block_start`` int64
-    ``[max_blocks]`` (valid below the live count), ``block_count`` int32 ``[1]`` (the live
-    count, never read by the host); ``max_blocks`` is the host-side upper bound."""
-
-    block_bank: torch.Tensor
-    block_start: torch.Tensor
-    block_count: torch.Tensor
-    block_m: int
-
-    @property
-    def max_blocks(self) -> int:
-        return self.block_bank.numel()
-
-
-def launch_block_schedule(offsets: torch.Tensor, num_routes: int, num_banks: int, block_m: int,
-                          workspace: FusedWorkspace, *, counts: torch.Tensor | None = None
-                          ) -> BlockSchedule:
-    """Build the block schedule from ``offsets`` (or, with ``counts``, write ``offsets`` first
-    from the per-bank route counts). One launch; nothing read back."""
-    nb = max_blocks(num_routes, num_banks, block_m)
-    block_bank = workspace.get("block_bank", (nb,), torch.int32)
-    block_start = workspace.get("block_start", (nb,), torch.int64)
-    block_count = workspace.get("block_count", (1,), torch.int32)
-    pad = max(16, triton.next_power_of_2(num_banks))
-    # Each program holds a [slots, banks] ownership mask: about 64 elements per thread on a
-    # GPU; the interpreter pays per program, so it takes larger ones.
-    slots = 64 if interpreter_enabled() else max(1, min(64, 16384 // pad))
-    warps = 1 if interpreter_enabled() else 8
-    programs = persistent_grid(triton.cdiv(nb, slots), 2, offsets.device)
-    block_schedule_kernel[(programs,)](
-        offsets, counts if counts is not None else offsets, block_bank, block_start, block_count,
-        num_banks, nb,
-        BLOCK_M=block_m, BANKS_PAD=pad, SLOTS=slots, FROM_COUNTS=counts is not None,
-        num_warps=warps,
-    )
-    return BlockSchedule(block_bank, block_start, block_count, block_m)
-
-
-@lru_cache(maxsize=None)
-def _multiprocessors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def persistent_grid(work_upper_bound: int, programs_per_sm: int, device: torch.device) -> int:
-    """Programs for a persistent kernel: enough to fill the GPU, never more than the work's
-    upper bound (the interpreter runs programs one by one: a handful there)."""
-    if device.type == "cuda":
-        slots = _multiprocessors(device.index if device.index is not None
-                                 else torch.cuda.current_device()) * programs_per_sm
-    else:
-        slots = 4
-    return max(1, min(work_upper_bound, slots))
-
-
 def check_fused_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
                        config: MoEConfig, *, check_bounds: bool | None = None) -> None:
     """Shapes, dtypes, devices, strides and (with ``check_bounds``, one host sync; by default
@@ -583,201 +262,274 @@ def _dot_modes() -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"  # tf32 is never used: operands are 16-bit
 
 
-GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered", "mlp_tma")
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _whole_head_tiles(config: MoEConfig) -> bool:
-    """The one-kernel path loads ``[Dh, BLOCK_N]`` weight tiles in one descriptor box (a power
-    of two, at most 256 per side)."""
-    dh = config.head_dim
-    return dh & (dh - 1) == 0 and 16 <= dh <= 256
-DOWN_VARIANTS = ("ptr", "tma")
+@dataclass
+class FusedCall:
+    """The tensors one run of a :class:`~.plan.LaunchPlan` reads and writes. ``schedule``: the
+    block schedule's buffers (filled by the plan's schedule step, or already built; None
+    without routes); ``rows`` ``[R, Dh]`` fp32 and ``slot_route`` ``[S*H*K]`` int32: the
+    per-route rows and where each slot's row is; ``out``: the top-k sum's output; ``act``: the
+    two-kernel path's activation buffer (from the workspace when None)."""
+
+    x: torch.Tensor
+    table: RouteTable
+    weights: ExpertWeights
+    config: MoEConfig
+    workspace: FusedWorkspace | None
+    schedule: BlockSchedule | None
+    rows: torch.Tensor
+    slot_route: torch.Tensor
+    out: torch.Tensor | None = None
+    act: torch.Tensor | None = None
 
 
-def launch_gate_up(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
-                   schedule: BlockSchedule, act: torch.Tensor, tiles: FusedTiles,
-                   workspace: FusedWorkspace | None = None) -> None:
-    """Kernel 2: SwiGLU7 activations of every live block into ``act`` ``[max_blocks*BLOCK_M, I]``
-    (``tma_gathered`` first gathers the blocks' ``x`` rows into a ``workspace`` buffer)."""
-    if tiles.gu_variant not in GATE_UP_VARIANTS:
-        raise ValueError(f"FusedTiles.gu_variant must be one of {GATE_UP_VARIANTS}, "
-                         f"got {tiles.gu_variant!r}")
-    tiles = two_kernel_tiles(tiles, config)  # "mlp_tma" tiles: its fallback's gate/up
-    if tiles.gu_act_store not in ("ptr", "tma"):
-        raise ValueError(f"FusedTiles.gu_act_store must be 'ptr' or 'tma', got {tiles.gu_act_store!r}")
-    if tiles.gu_variant in ("tma", "tma_gathered") and _launch_gate_up_tma(
-            x, table, weights, config, schedule, act, tiles, workspace):
-        return
+def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
+    """Kernels 2 and 3 as one (``expert_mlp_tma_kernel``): weighted fp32 rows per route, no
+    activation buffer. ``warmup``: compile for this launch and return the compiled kernel."""
+    c, tiles, w = call, step.tiles, call.weights
+    bn, dh = tiles.gu_block_n, c.config.head_dim
+    descs = (banked_descriptor(w.w_gate, [dh, bn]), banked_descriptor(w.w_up, [dh, bn]),
+             banked_descriptor(w.w_down, [bn, dh]))
+    _promised(step, *descs)
     upcast, precision = _dot_modes()
-    wg, wu = weights.w_gate, weights.w_up
-    I = config.intermediate_size
-    work = schedule.max_blocks * (I // tiles.gu_block_n)
-    gate_up_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
-        x, wg, wu, table.gather_ids, table.offsets,
-        schedule.block_bank, schedule.block_start, schedule.block_count, act,
-        x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
-        config.num_experts, HEAD_DIM=config.head_dim, INTER=I,
+    sched = c.schedule
+    args = (c.x, *descs, c.table.gather_ids, c.table.sorted_probs, c.table.route_slots,
+            c.table.offsets, sched.block_bank, sched.block_start, sched.block_count,
+            c.rows, c.slot_route, c.x.stride(0), c.rows.stride(0), c.config.num_experts)
+    meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
+                ACT_DTYPE=_TL_DTYPES[w.w_down.dtype], UPCAST=upcast,
+                DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
+                **_register_cap(tiles.gu_maxnreg))
+    if warmup:
+        return T.expert_mlp_tma_kernel.warmup(*args, grid=(step.grid,), **meta)
+    T.expert_mlp_tma_kernel[(step.grid,)](*args, **meta)
+
+
+def _promised(step: LaunchStep, *descriptors) -> None:
+    if any(d is None for d in descriptors):  # the plan checked the same layouts: a bug if seen
+        raise RuntimeError(f"{step.kernel}: the launch plan promised tensor descriptors that "
+                           f"cannot be made")
+
+
+_SHARED: dict[tuple, int] = {}
+
+
+def compiled_shared_memory(call: FusedCall) -> Callable[[LaunchStep], int]:
+    """For the planner: bytes of shared memory a step's kernel, compiled for this call, needs.
+    Its footprint depends on the shapes as well as the tiles (with a single activation slice,
+    I = BLOCK_N, Triton 3.6 asked 353 KiB for tiles that take 208 KiB at I = 1280), so it is
+    read from the compiled kernel, once per (device, dtype, shapes, tiles), not estimated."""
+    def measure(step: LaunchStep) -> int:
+        if step.kernel != EXPERT_MLP:
+            raise ValueError(f"only {EXPERT_MLP} is measured, not {step.kernel}")
+        key = (call.x.device, call.x.dtype, call.config.head_dim,
+               call.config.intermediate_size, step.tiles)
+        if key not in _SHARED:
+            _SHARED[key] = _launch_expert_mlp(step, call, warmup=True).metadata.shared
+        return _SHARED[key]
+    return measure
+
+
+def _launch_gate_up(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
+    """Kernel 2, K loop over Dh per column tile: SwiGLU7 activations into ``act``."""
+    c, tiles = call, step.tiles
+    upcast, precision = _dot_modes()
+    wg, wu, sched = c.weights.w_gate, c.weights.w_up, c.schedule
+    gate_up_kernel[(step.grid,)](
+        c.x, wg, wu, c.table.gather_ids, c.table.offsets,
+        sched.block_bank, sched.block_start, sched.block_count, act,
+        c.x.stride(0), wg.stride(0), wg.stride(1), wu.stride(0), wu.stride(1), act.stride(0),
+        c.config.num_experts, HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n, BLOCK_K=tiles.gu_block_k,
         UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
     )
 
 
-def _launch_gate_up_tma(x, table, weights, config, schedule, act, tiles, workspace) -> bool:
-    """The descriptor variants of kernel 2; False (nothing launched) where TMA cannot run."""
-    if not T.tma_supported(x.device):
-        return False
+def _launch_gate_up_tma(step: LaunchStep, call: FusedCall, act: torch.Tensor,
+                        xg: torch.Tensor | None) -> None:
+    """Kernel 2 with weight tiles by descriptor (``tma``), and ``x`` rows from the gathered
+    buffer ``xg`` by descriptor too (``tma_gathered``)."""
+    c, tiles = call, step.tiles
     bk, bn = tiles.gu_block_k, tiles.gu_block_n
-    wg_desc = T.banked_descriptor(weights.w_gate, [bk, bn])
-    wu_desc = T.banked_descriptor(weights.w_up, [bk, bn])
-    if wg_desc is None or wu_desc is None:
-        return False
+    wg_desc = banked_descriptor(c.weights.w_gate, [bk, bn])
+    wu_desc = banked_descriptor(c.weights.w_up, [bk, bn])
     gathered = tiles.gu_variant == "tma_gathered"
-    xg_desc = None
-    if gathered:
-        workspace = workspace or shared_workspace(x.device)
-        xg = workspace.get("x_gathered", (schedule.max_blocks * tiles.block_m, config.head_dim),
-                           x.dtype)
-        xg_desc = T.matrix_descriptor(xg, [tiles.block_m, bk])
-        if xg_desc is None:
-            return False
-        T.launch_gather_rows(x, table, schedule, xg, config)
-    act_desc = T.matrix_descriptor(act, [tiles.block_m, bn]) if tiles.gu_act_store == "tma" else None
+    xg_desc = matrix_descriptor(xg, [tiles.block_m, bk]) if gathered else None
+    _promised(step, wg_desc, wu_desc, *([xg_desc] if gathered else []))
+    act_desc = matrix_descriptor(act, [tiles.block_m, bn]) if tiles.gu_act_store == "tma" else None
+    if tiles.gu_act_store == "tma":
+        _promised(step, act_desc)
     upcast, precision = _dot_modes()
-    work = schedule.max_blocks * (config.intermediate_size // bn)
-    T.gate_up_tma_kernel[(persistent_grid(work, tiles.gu_programs_per_sm, x.device),)](
-        x, xg_desc, wg_desc, wu_desc, table.gather_ids, table.offsets,
-        schedule.block_bank, schedule.block_start, schedule.block_count, act, act_desc,
-        x.stride(0), act.stride(0), config.num_experts,
-        HEAD_DIM=config.head_dim, INTER=config.intermediate_size,
+    sched = c.schedule
+    T.gate_up_tma_kernel[(step.grid,)](
+        c.x, xg_desc, wg_desc, wu_desc, c.table.gather_ids, c.table.offsets,
+        sched.block_bank, sched.block_start, sched.block_count, act, act_desc,
+        c.x.stride(0), act.stride(0), c.config.num_experts,
+        HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk, X_GATHERED=gathered,
         ACT_DESC=act_desc is not None,
         UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
     )
-    return True
 
 
-def launch_expert_mlp(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
-                      config: MoEConfig, schedule: BlockSchedule, rows: torch.Tensor,
-                      slot_route: torch.Tensor, tiles: FusedTiles) -> bool:
-    """Kernels 2 and 3 as one (``gu_variant="mlp_tma"``): weighted fp32 rows per route with no
-    activation buffer. False (nothing launched) where it cannot run; the caller then launches
-    the two-kernel path."""
-    if not (T.tma_supported(x.device) and _whole_head_tiles(config)):
-        return False
-    bn, dh = tiles.gu_block_n, config.head_dim
-    wg_desc = T.banked_descriptor(weights.w_gate, [dh, bn])
-    wu_desc = T.banked_descriptor(weights.w_up, [dh, bn])
-    wd_desc = T.banked_descriptor(weights.w_down, [bn, dh])
-    if wg_desc is None or wu_desc is None or wd_desc is None:
-        return False
-    upcast, precision = _dot_modes()
-    grid = (persistent_grid(schedule.max_blocks, tiles.gu_programs_per_sm, x.device),)
-    args = (x, wg_desc, wu_desc, wd_desc, table.gather_ids, table.sorted_probs, table.route_slots,
-            table.offsets, schedule.block_bank, schedule.block_start, schedule.block_count,
-            rows, slot_route, x.stride(0), rows.stride(0), config.num_experts)
-    meta = dict(HEAD_DIM=dh, INTER=config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
-                ACT_DTYPE=_TL_DTYPES[weights.w_down.dtype], UPCAST=upcast,
-                DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
-                **_register_cap(tiles.gu_maxnreg))
-    key = (x.device, x.dtype, dh, config.intermediate_size, tiles)
-    if x.device.type == "cuda" and not _fits_shared_memory(T.expert_mlp_tma_kernel, key, grid,
-                                                           args, meta):
-        return False
-    T.expert_mlp_tma_kernel[grid](*args, **meta)
-    return True
-
-
-_FITS: dict[tuple, bool] = {}
-
-
-def _fits_shared_memory(kernel, key: tuple, grid, args, meta: dict) -> bool:
-    """Whether ``kernel`` compiled for this launch fits the GPU's shared memory. Its footprint
-    depends on the shapes as well as the tiles (with a single activation slice, I = BLOCK_N,
-    Triton 3.6 asked 353 KiB for tiles that take 208 KiB at I = 1280), so it is read from the
-    compiled kernel, once per ``key`` = (device, dtype, shapes, tiles), instead of estimated."""
-    fits = _FITS.get(key)
-    if fits is None:
-        compiled = kernel.warmup(*args, grid=grid, **meta)
-        fits = _FITS[key] = compiled.metadata.shared <= shared_memory_limit(key[0])
-    return fits
-
-
-def launch_down(table: RouteTable, weights: ExpertWeights, config: MoEConfig,
-                schedule: BlockSchedule, act: torch.Tensor, rows: torch.Tensor,
-                slot_route: torch.Tensor, tiles: FusedTiles) -> None:
+def _launch_down(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
     """Kernel 3: weighted fp32 rows per route into ``rows`` ``[R, Dh]`` and ``slot_route``."""
-    if tiles.down_variant not in DOWN_VARIANTS:
-        raise ValueError(f"FusedTiles.down_variant must be one of {DOWN_VARIANTS}, "
-                         f"got {tiles.down_variant!r}")
-    tiles = two_kernel_tiles(tiles, config)
+    c, tiles = call, step.tiles
     upcast, precision = _dot_modes()
-    wd = weights.w_down
-    Dh = config.head_dim
-    work = schedule.max_blocks * (Dh // tiles.down_block_n)
-    if tiles.down_variant == "tma" and T.tma_supported(act.device):
-        act_desc = T.matrix_descriptor(act, [tiles.block_m, tiles.down_block_k])
-        wd_desc = T.banked_descriptor(wd, [tiles.down_block_k, tiles.down_block_n])
-        if act_desc is not None and wd_desc is not None:
-            T.down_tma_kernel[(persistent_grid(work, tiles.down_programs_per_sm, act.device),)](
-                act_desc, wd_desc, table.sorted_probs, table.route_slots, table.offsets,
-                schedule.block_bank, schedule.block_start, schedule.block_count, rows,
-                slot_route, rows.stride(0),
-                HEAD_DIM=Dh, INTER=config.intermediate_size,
-                BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
-                UPCAST=upcast, DOT_PRECISION=precision,
-                num_warps=tiles.down_warps, num_stages=tiles.down_stages,
-            )
-            return
-    down_kernel[(persistent_grid(work, tiles.down_programs_per_sm, act.device),)](
-        act, wd, table.sorted_probs, table.route_slots, table.offsets,
-        schedule.block_bank, schedule.block_start, schedule.block_count, rows, slot_route,
-        act.stride(0), wd.stride(0), wd.stride(1), rows.stride(0),
-        HEAD_DIM=Dh, INTER=config.intermediate_size,
+    wd, sched = c.weights.w_down, c.schedule
+    down_kernel[(step.grid,)](
+        act, wd, c.table.sorted_probs, c.table.route_slots, c.table.offsets,
+        sched.block_bank, sched.block_start, sched.block_count, c.rows, c.slot_route,
+        act.stride(0), wd.stride(0), wd.stride(1), c.rows.stride(0),
+        HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
         UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.down_warps, num_stages=tiles.down_stages,
     )
 
 
+def _launch_down_tma(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
+    """Kernel 3 with the activation rows and the ``W_down`` tiles by descriptor."""
+    c, tiles = call, step.tiles
+    act_desc = matrix_descriptor(act, [tiles.block_m, tiles.down_block_k])
+    wd_desc = banked_descriptor(c.weights.w_down, [tiles.down_block_k, tiles.down_block_n])
+    _promised(step, act_desc, wd_desc)
+    upcast, precision = _dot_modes()
+    sched = c.schedule
+    T.down_tma_kernel[(step.grid,)](
+        act_desc, wd_desc, c.table.sorted_probs, c.table.route_slots, c.table.offsets,
+        sched.block_bank, sched.block_start, sched.block_count, c.rows, c.slot_route,
+        c.rows.stride(0),
+        HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.down_block_k,
+        UPCAST=upcast, DOT_PRECISION=precision,
+        num_warps=tiles.down_warps, num_stages=tiles.down_stages,
+    )
+
+
+def _launch_topk_sum(step: LaunchStep, call: FusedCall) -> None:
+    """``out[s, h] = sum_k rows[slot_route[(s*H + h)*K + k]]`` in fixed order, one rounding."""
+    c, tiles, cfg = call, step.tiles, call.config
+    topk_sum_kernel[(step.grid,)](
+        c.rows, c.slot_route, c.out, c.out.shape[0] * cfg.num_heads, cfg.num_heads,
+        c.rows.stride(0), c.out.stride(0),
+        HEAD_DIM=cfg.head_dim, DH_PAD=max(16, triton.next_power_of_2(cfg.head_dim)),
+        TOP_K=cfg.top_k, BLOCK_T=tiles.sum_block_t, SOFT_BF16=interpreter_enabled(),
+        num_warps=tiles.sum_warps,
+    )
+
+
+def run_plan(plan: LaunchPlan, call: FusedCall) -> None:
+    """Launch ``plan``'s steps in order on ``call``'s tensors; nothing is decided here."""
+    cfg, ws = call.config, call.workspace
+    if plan.clear_slots:  # a partial (hand-built) table leaves slots without a route
+        call.slot_route.fill_(-1)
+    act = call.act
+    if act is None and plan.activation_rows:
+        act = ws.get("act", (plan.activation_rows, cfg.intermediate_size), call.weights.w_down.dtype)
+    xg = None  # the gathered x rows, taken once per run (a second request would re-poison it)
+    for step in plan.steps:
+        kernel = step.kernel
+        if (kernel in (GATHER_ROWS, GATE_UP_TMA) and step.tiles.gu_variant == "tma_gathered"
+                and xg is None):
+            xg = ws.get("x_gathered", (plan.max_blocks * step.tiles.block_m, cfg.head_dim),
+                        call.x.dtype)
+        if kernel == SCHEDULE:
+            fill_block_schedule(call.schedule, call.table.offsets, cfg.num_banks)
+        elif kernel == EXPERT_MLP:
+            _launch_expert_mlp(step, call)
+        elif kernel == GATHER_ROWS:
+            T.launch_gather_rows(call.x, call.table, call.schedule, xg, cfg)
+        elif kernel == GATE_UP:
+            _launch_gate_up(step, call, act)
+        elif kernel == GATE_UP_TMA:
+            _launch_gate_up_tma(step, call, act, xg)
+        elif kernel == DOWN:
+            _launch_down(step, call, act)
+        elif kernel == DOWN_TMA:
+            _launch_down_tma(step, call, act)
+        elif kernel == TOPK_SUM:
+            _launch_topk_sum(step, call)
+        else:
+            raise ValueError(f"run_plan cannot launch {kernel!r}")
+
+
+def plan_call(call: FusedCall, tiles: FusedTiles, *, schedule_built: bool = False,
+              rows_only: bool = False) -> LaunchPlan:
+    """The plan :func:`fused_forward` and :func:`launch_route_rows` run for ``call``: this
+    device's facts, and on a GPU the compiled one-kernel path's shared memory."""
+    x = call.x
+    return plan_fused(call.config, call.table.num_tokens, call.table.num_routes, tiles,
+                      device_facts(x.device), call.weights, schedule_built=schedule_built,
+                      rows_only=rows_only,
+                      shared_memory_of=compiled_shared_memory(call) if x.device.type == "cuda" else None)
+
+
+def _call_schedule(table: RouteTable, config: MoEConfig, tiles: FusedTiles,
+                   workspace: FusedWorkspace, schedule: BlockSchedule | None) -> BlockSchedule | None:
+    """A schedule built already (checked against the table), or the buffers to build it into."""
+    R = table.num_routes
+    if R == 0:
+        return None
+    if schedule is None:
+        return schedule_buffers(workspace, R, config.num_banks, tiles.block_m)
+    if schedule.block_m != tiles.block_m:
+        raise ValueError(f"schedule was built for block_m={schedule.block_m}, "
+                         f"tiles use {tiles.block_m}")
+    want = max_blocks(R, config.num_banks, tiles.block_m)
+    if schedule.max_blocks != want:
+        raise ValueError(f"schedule has {schedule.max_blocks} blocks; a table of {R} routes over "
+                         f"{config.num_banks} banks needs {want}")
+    return schedule
+
+
 def launch_route_rows(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
                       config: MoEConfig, rows: torch.Tensor, slot_route: torch.Tensor, *,
                       tiles: FusedTiles, workspace: FusedWorkspace,
-                      schedule: BlockSchedule | None = None) -> None:
+                      schedule: BlockSchedule | None = None) -> LaunchPlan:
     """Expert rows only: fp32 ``p * expert(x)`` into caller-owned ``rows`` ``[R, Dh]`` (CSR
     order, as the native kernel's deterministic rows) and each route's CSR index into
-    ``slot_route`` ``[S*H*K]`` int32. Huge-input tests call this with lazily allocated buffers."""
+    ``slot_route`` ``[S*H*K]`` int32. Huge-input tests call this with lazily allocated buffers.
+    Returns the plan it ran."""
+    call = FusedCall(x, table, weights, config, workspace,
+                     _call_schedule(table, config, tiles, workspace, schedule), rows, slot_route)
+    plan = plan_call(call, tiles, schedule_built=schedule is not None, rows_only=True)
+    run_plan(plan, call)
+    return plan
+
+
+def fused_call(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
+               *, out: torch.Tensor | None = None, tiles: FusedTiles | None = None,
+               workspace: FusedWorkspace | None = None,
+               schedule: BlockSchedule | None = None,
+               check_bounds: bool | None = None) -> tuple[LaunchPlan, FusedCall]:
+    """What :func:`fused_forward` runs: its inputs checked, its buffers taken from the
+    workspace, its plan made; nothing launched. An empty input gets an empty plan."""
+    check_fused_inputs(x, table, weights, config, check_bounds=check_bounds)
+    S, D = x.shape
+    if out is None:
+        out = torch.empty(S, D, dtype=x.dtype, device=x.device)
+    else:
+        check_tensor("out", out, shape=(S, D), dtype=x.dtype, device=x.device)
+        if out.numel() and out.stride(-1) != 1:
+            raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
     R = table.num_routes
-    if R == 0:
-        return
-    if schedule is None:
-        schedule = launch_block_schedule(table.offsets, R, config.num_banks, tiles.block_m,
-                                         workspace)
-    if tiles.gu_variant == "mlp_tma":
-        if launch_expert_mlp(x, table, weights, config, schedule, rows, slot_route, tiles):
-            return
-        tiles = two_kernel_tiles(tiles, config)
-    act = workspace.get("act", (schedule.max_blocks * tiles.block_m, config.intermediate_size),
-                        weights.w_down.dtype)
-    launch_gate_up(x, table, weights, config, schedule, act, tiles, workspace)
-    launch_down(table, weights, config, schedule, act, rows, slot_route, tiles)
-
-
-def launch_topk_sum(rows: torch.Tensor, slot_route: torch.Tensor, out: torch.Tensor,
-                    config: MoEConfig, tiles: FusedTiles) -> None:
-    """``out[s, h] = sum_k rows[slot_route[(s*H + h)*K + k]]`` in fixed order, one rounding."""
-    S = out.shape[0]
-    if S == 0:
-        return
-    pairs = S * config.num_heads
-    topk_sum_kernel[(triton.cdiv(pairs, tiles.sum_block_t),)](
-        rows, slot_route, out, pairs, config.num_heads, rows.stride(0), out.stride(0),
-        HEAD_DIM=config.head_dim, DH_PAD=max(16, triton.next_power_of_2(config.head_dim)),
-        TOP_K=config.top_k, BLOCK_T=tiles.sum_block_t, SOFT_BF16=interpreter_enabled(),
-        num_warps=tiles.sum_warps,
-    )
+    if S == 0:  # nothing to launch: the empty out stands in for the buffers no step reads
+        return LaunchPlan((), tiles or INTERPRETER_TILES, device_facts(x.device), 0), FusedCall(
+            x, table, weights, config, workspace, None, out, out, out)
+    workspace = workspace or shared_workspace(x.device)
+    workspace.note_capture()
+    tiles = tiles or choose_fused_tiles(config, R, x.device)
+    call = FusedCall(x, table, weights, config, workspace,
+                     _call_schedule(table, config, tiles, workspace, schedule),
+                     workspace.get("rows", (R, config.head_dim), torch.float32),
+                     workspace.get("slot_route", (S * config.num_heads * config.top_k,), torch.int32),
+                     out)
+    return plan_call(call, tiles, schedule_built=schedule is not None), call
 
 
 def fused_forward(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
@@ -792,30 +544,9 @@ def fused_forward(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, co
     the problem's size, no allocation. Any other table is validated first (one sync), so a bad
     hand-built or edited table gets a clear error instead of a wild memory access or a wrong
     sum; ``check_bounds`` overrides. ``schedule``: a block schedule already built on the device
-    (the fused router builds it with the route table); built here otherwise."""
-    check_fused_inputs(x, table, weights, config, check_bounds=check_bounds)
-    S, D = x.shape
-    if out is None:
-        out = torch.empty(S, D, dtype=x.dtype, device=x.device)
-    else:
-        check_tensor("out", out, shape=(S, D), dtype=x.dtype, device=x.device)
-        if out.numel() and out.stride(-1) != 1:
-            raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
-    if S == 0:
-        return out
-    workspace = workspace or shared_workspace(x.device)
-    workspace.note_capture()
-    R = table.num_routes
-    tiles = tiles or choose_fused_tiles(config, R, x.device)
-    if schedule is not None and schedule.block_m != tiles.block_m:
-        raise ValueError(f"schedule was built for block_m={schedule.block_m}, "
-                         f"tiles use {tiles.block_m}")
-    num_slots = S * config.num_heads * config.top_k
-    rows = workspace.get("rows", (R, config.head_dim), torch.float32)
-    slot_route = workspace.get("slot_route", (num_slots,), torch.int32)
-    if R < num_slots:  # a partial (hand-built) table leaves slots without a route
-        slot_route.fill_(-1)
-    launch_route_rows(x, table, weights, config, rows, slot_route, tiles=tiles,
-                      workspace=workspace, schedule=schedule)
-    launch_topk_sum(rows, slot_route, out, config, tiles)
-    return out
+    (the fused router builds it with the route table); built here otherwise. Which kernels
+    run: :func:`fused_call`'s plan (:mod:`.plan`)."""
+    plan, call = fused_call(x, table, weights, config, out=out, tiles=tiles, workspace=workspace,
+                            schedule=schedule, check_bounds=check_bounds)
+    run_plan(plan, call)
+    return call.out

@@ -8,7 +8,7 @@ buffers showed up as mutated graph inputs, so inductor refused CUDA graphs. As o
 operator the compiled layer is a single graph node:
 
 * it mutates none of its inputs (``mutates_args=()``): its scratch lives in the device's
-  :class:`~magi_moe.kernels.fused.FusedWorkspace`, which keeps every buffer a CUDA graph
+  :class:`~magi_moe.kernels.workspace.FusedWorkspace`, which keeps every buffer a CUDA graph
   captured alive (see ``FusedWorkspace.get``), and its output is a fresh tensor;
 * the weights are passed as the layer's parameters themselves: the packed bank is only a layout
   of the same memory (:mod:`magi_moe.packed_weights`), and the kernels read any row-strided
@@ -35,7 +35,7 @@ def fused_layer_op(x: torch.Tensor, gate: torch.Tensor, bias: Optional[torch.Ten
                    intermediate_size: int, score_func: str, route_norm: bool,
                    route_scale: float) -> torch.Tensor:
     """Routing and experts of the fused layer on ``x [S, H*Dh]``; a new ``[S, H*Dh]`` tensor."""
-    from .fused_routing import fused_layer_forward
+    from .fused_layer import fused_layer_forward
 
     config = MoEConfig(num_heads, head_dim, num_experts, top_k, intermediate_size,
                        score_func=score_func, route_norm=route_norm, route_scale=route_scale,

@@ -9,20 +9,19 @@ scale and the CSR route table, on the device, in four launches and no host synch
 2. ``bank_prefix_kernel``, grid ``(cdiv(H*E, BLOCK_B),)``: for every bank, the exclusive prefix
    of ``block_counts`` over token blocks (where this block's routes start inside the bank) and
    the bank's total.
-3. :func:`magi_moe.kernels.fused.block_schedule_kernel` with ``FROM_COUNTS``: the CSR offsets
+3. :func:`magi_moe.kernels.schedule.block_schedule_kernel` with ``FROM_COUNTS``: the CSR offsets
    from the totals, and the expert kernels' block schedule in the same launch.
 4. ``place_routes_kernel``, grid ``(cdiv(S, BLOCK_S), H)``: every route's CSR position, offsets
    + block prefix + its rank among this block's routes to the same bank (tokens in order), so the
    table is the stable sort by bank of :func:`magi_moe.routing.build_route_table`, exactly.
 
 No atomics: positions are prefix sums, so the table is the same bitwise on every run. All
-buffers come from a :class:`~magi_moe.kernels.fused.FusedWorkspace` sized by upper bounds known
+buffers come from a :class:`~magi_moe.kernels.workspace.FusedWorkspace` sized by upper bounds known
 on the host; the returned table's tensors are views into it, valid until the next call.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from functools import lru_cache
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -33,8 +32,9 @@ from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..routing import NORM_EPS, RouteTable
 from ..validation import check_kernel_device, check_same_device, check_tensor
-from .fused import (BlockSchedule, FusedWorkspace, launch_block_schedule, load_device_entry,
-                    shared_workspace)
+from .schedule import BlockSchedule, launch_block_schedule
+from .tiles import RoutingTiles, choose_routing_tiles
+from .workspace import FusedWorkspace, shared_workspace
 
 NORM_EPS_VALUE = tl.constexpr(NORM_EPS)
 
@@ -232,41 +232,6 @@ def place_routes_kernel(
 
 
 @dataclass(frozen=True)
-class RoutingTiles:
-    block_s: int = 32
-    block_d: int = 64
-    warps: int = 8
-    place_warps: int = 8
-    prefix_block_tb: int = 64
-    prefix_block_b: int = 32
-
-    def fitted(self, config: MoEConfig) -> "RoutingTiles":
-        """block_d shrunk to a power of two dividing Dh (a multiple of 16), so no masks."""
-        block_d = min(self.block_d, 1 << (config.head_dim.bit_length() - 1))
-        while config.head_dim % block_d:
-            block_d //= 2
-        return RoutingTiles(**{**self.__dict__, "block_d": max(block_d, 16)})
-
-
-INTERPRETER_ROUTING_TILES = RoutingTiles(block_s=64, block_d=256, warps=1,
-                                         place_warps=1, prefix_block_tb=256, prefix_block_b=256)
-
-
-@lru_cache(maxsize=None)
-def choose_routing_tiles(config: MoEConfig, device: torch.device) -> RoutingTiles:
-    """The interpreter's tiles on the CPU; on a GPU the swept ones of ``tiles/fused.json``
-    (``routing`` in the GPU's entry) when there are any, else the defaults."""
-    if device.type != "cuda":
-        tiles = INTERPRETER_ROUTING_TILES
-    else:
-        entry = load_device_entry(torch.cuda.get_device_name(device))
-        known = {f.name for f in fields(RoutingTiles)}
-        swept = (entry or {}).get("routing") or {}
-        tiles = RoutingTiles(**{k: v for k, v in swept.items() if k in known})
-    return tiles.fitted(config)
-
-
-@dataclass(frozen=True)
 class FusedRoutes:
     """What the fused router produced: per-token choices and the CSR table built from them.
 
@@ -356,20 +321,3 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
         BLOCK_S=tiles.block_s, num_warps=tiles.place_warps,
     )
     return FusedRoutes(ids, probs, table, schedule if block_m is not None else None)
-
-
-def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
-                        weights, config: MoEConfig, *, out: torch.Tensor | None = None,
-                        workspace: FusedWorkspace | None = None) -> torch.Tensor:
-    """The whole layer on the fused path: :func:`fused_route` (which also builds the block
-    schedule) then :func:`~magi_moe.kernels.fused.fused_forward`. Seven launches, no host
-    synchronisation, no allocation once warm except ``out`` when not given."""
-    from .fused import choose_fused_tiles, fused_forward
-
-    workspace = workspace or shared_workspace(x.device)
-    tiles = choose_fused_tiles(config, x.shape[0] * config.num_heads * config.top_k, x.device)
-    routes = fused_route(x, gate, bias, config, block_m=tiles.block_m, workspace=workspace)
-    # The table was built on the device just now and nothing ran since: no value check (it
-    # would cost a sync), also for inference tensors, whose changes no version counter records.
-    return fused_forward(x, routes.table, weights, config, out=out, tiles=tiles,
-                         workspace=workspace, schedule=routes.schedule, check_bounds=False)

@@ -7,7 +7,9 @@ import torch
 
 from ..config import MoEConfig
 from ..routing import RouteTable
-from .fused import choose_fused_tiles, launch_route_rows, shared_workspace
+from .fused import launch_route_rows
+from .tiles import choose_fused_tiles
+from .workspace import shared_workspace
 
 
 def launch_fused_rows(x, table: RouteTable, weights, config: MoEConfig, accumulator: torch.Tensor, *,

@@ -16,16 +16,13 @@ address arithmetic), where a pointer load costs every thread address registers a
   are descriptor loads; with ``ACT_DESC`` the activation tile leaves by a descriptor store.
   ``down_tma_kernel`` loads the activation rows and the ``W_down`` tiles by descriptor.
 
-Descriptors view the weights as 2-D ``[banks * rows_per_bank, cols]`` through their strides,
-so a tile at ``(bank * rows_per_bank + k, n)`` never crosses a bank (the reductions are whole
-multiples of the tile). Descriptor coordinates are int32: callers check the row counts.
+The descriptors themselves are made by :mod:`.descriptors`; which of these kernels run, and
+why a fallback was taken, the launch plan says (:mod:`.plan`).
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..backends import interpreter_enabled
 from .blocks import activation, block_rows, block_x_rows, store_activation, store_weighted_rows
@@ -222,34 +219,9 @@ def expert_mlp_tma_kernel(
 # ---------------------------------------------------------------------------------------------
 # host side
 # ---------------------------------------------------------------------------------------------
-def tma_supported(device: torch.device) -> bool:
-    """Descriptor loads run on Hopper and later, and under the interpreter."""
-    if interpreter_enabled():
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def banked_descriptor(w: torch.Tensor, block_shape: list[int]) -> TensorDescriptor | None:
-    """A 2-D descriptor ``[banks * rows, cols]`` over a ``[banks, rows, cols]`` weight read
-    through its strides, or None when the layout does not allow one (banks not evenly spaced by
-    rows, a stride or base not 16-byte aligned, more than 2^31 - 1 rows)."""
-    banks, rows, cols = w.shape
-    size = w.element_size()
-    if (w.stride(2) != 1 or w.stride(0) != rows * w.stride(1) or banks * rows >= 2**31
-            or (w.stride(1) * size) % 16 or w.data_ptr() % 16):
-        return None
-    return TensorDescriptor(w, [banks * rows, cols], [w.stride(1), 1], block_shape)
-
-
-def matrix_descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor | None:
-    """A descriptor over a 2-D row-major tensor, or None where TMA cannot address it."""
-    if (t.stride(1) != 1 or t.shape[0] >= 2**31 or (t.stride(0) * t.element_size()) % 16
-            or t.data_ptr() % 16):
-        return None
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block_shape)
-
-
 def launch_gather_rows(x, table, schedule, xg, config) -> None:
+    """Each live block's ``x`` rows into ``xg`` ``[max_blocks*BLOCK_M, Dh]`` in padded-block
+    order (the ``tma_gathered`` variant's first launch)."""
     dh = config.head_dim
     gather_rows_kernel[(schedule.max_blocks,)](
         x, table.gather_ids, table.offsets, schedule.block_bank, schedule.block_start,

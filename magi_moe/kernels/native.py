@@ -21,7 +21,6 @@ the interpreter's fp32->bf16 conversion truncates, so the activation is rounded 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import lru_cache
 
 import torch
 import triton
@@ -34,6 +33,7 @@ from ..inputs import check_expert_inputs
 from ..routing import RouteTable
 from ..validation import check_kernel_device, check_tensor
 from ..weights import ExpertWeights
+from .device import shared_memory_limit
 from .rounding import round_operand, swiglu7
 
 
@@ -141,13 +141,6 @@ def shared_memory_estimate(tiles: NativeTiles, config: MoEConfig, itemsize: int)
     per_stage = 3 * dh_pad * tiles.block_n
     return itemsize * (tiles.block_m * dh_pad + tiles.num_stages * per_stage
                        + tiles.block_m * tiles.block_n)
-
-
-@lru_cache(maxsize=None)
-def shared_memory_limit(device: torch.device) -> int:
-    """Bytes of shared memory one program may use on this GPU (the opt-in maximum)."""
-    props = torch.cuda.get_device_properties(device)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
 
 
 def fit_shared_memory(tiles: NativeTiles, config: MoEConfig, itemsize: int,

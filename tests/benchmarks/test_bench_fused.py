@@ -1,6 +1,6 @@
 """Timing tests for pytest-benchmark: the four cases of docs/ANCHORS.md on a GPU (fused, the fused
 layer with routing, and the native kernel beside them), and small CPU cases so that CI runs the
-harness on every commit. ``python -m magi_moe.benchmark`` is the fuller tool (floors, p90,
+harness on every commit. ``python -m magi_moe.bench`` is the fuller tool (floors, p90,
 alternated paths); these tests exist to be saved and compared across commits.
 
 GPU timings: the L2 is flushed in each round's setup; the timed call synchronises, so a round is
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from magi_moe.backends import BACKENDS
-from magi_moe.benchmark import ANCHOR_CASES, BenchCase, draw_problem, floors, make_paths
+from magi_moe.bench.cases import ANCHOR_CASES, BenchCase, draw_problem, floors
+from magi_moe.bench.paths import make_paths
 
 pytestmark = pytest.mark.benchmark
 

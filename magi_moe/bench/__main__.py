@@ -1,0 +1,199 @@
+"""``python -m magi_moe.bench`` (also ``python -m magi_moe.benchmark``): the expert paths timed
+side by side, with their floors.
+
+For every case (heads x tokens; the four cases of docs/ANCHORS.md with ``--anchors``) this draws a
+problem as :func:`magi_moe.problems.random_problem` does (x N(0,1), router N(0, 0.25^2),
+selection bias N(0, 0.05^2), weights N(0, 0.02^2); drawn on the device so that 12 x 256 experts
+take milliseconds), checks every path against the float64 reference on the same routes, and
+only then times them:
+
+* CUDA events around each call; the L2 cache flushed before every call by zeroing a buffer of
+  ``--flush-mib`` (>= 256 MiB; the H200's L2 is 60 MB); paths alternated inside every iteration
+  (the order rotating), so clock drift and thermal state hit them alike;
+* median and p90 over ``--iters`` per round, the best round's median reported;
+* bytes and FLOPs with docs/ANCHORS.md's floors: memory = weights of the experts that received a
+  route + x + y over 4281 GB/s; compute = routes * (2*Dh*I*2 + 2*I*Dh) over 793 TFLOP/s.
+
+Paths: ``native``, ``native-det`` (the native kernel, atomic / deterministic), ``fused`` (kernel
+level: routes precomputed, weights packed, workspace warm), ``fused-layer`` and ``native-layer``
+(``MagiMoE.forward``: routing included), ``routing`` (torch router + CSR sort) and
+``fused-routing``, ``torch-bf16`` (the plain per-expert loop; slow).
+
+``--sweep`` times the fused kernels' tile candidates per case and writes the winners into
+``magi_moe/kernels/tiles/fused.json`` through the function the loader reads (:mod:`.sweep`);
+``--breakdown`` times each launch of the fused path's plan alone.
+
+``--json PATH`` writes everything measured. With ``--device cpu`` (and ``TRITON_INTERPRET=1``
+for the kernel paths) it runs small cases with host timers, as a smoke test of the harness.
+"""
+from __future__ import annotations
+import argparse
+import json
+import platform
+import sys
+
+import torch
+
+from ..text_tables import format_table as text_table
+from .cases import ANCHOR_CASES, COPY_GBPS, DRAWS, MATMUL_TFLOPS, BenchCase, draw_problem
+from .paths import ALL_PATHS, DEFAULT_PATHS
+from .sweep import breakdown_case, run_sweep
+from .timing import run_case
+
+
+def environment(device: torch.device) -> dict:
+    import triton
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "triton": triton.__version__, "device": str(device)}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, multiprocessors=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1))
+    return env
+
+
+def format_table(results: list[dict]) -> str:
+    rows = []
+    for r in results:
+        fl = r["floors"]
+        for i, (name, st) in enumerate(r["timings"].items()):
+            err = r["parity"].get(name, {}).get("rel_l2")
+            rows.append([r["label"] if i == 0 else "",
+                         (f"{fl['routed_banks']}/{fl['banks']}, {fl['busiest_over_mean']:.1f}x"
+                          if i == 0 and "busiest_over_mean" in fl else ""),
+                         f"{fl['memory_floor_ms']:.3f}/{fl['compute_floor_ms']:.3f}" if i == 0 else "",
+                         name, f"{st['median_ms']:.3f}", f"{st['p90_ms']:.3f}",
+                         f"{st['x_floor']:.2f}" if st.get("x_floor") else "-",
+                         f"{err:.2e}" if err is not None else "-"])
+    return text_table(["case", "routed banks, busiest/mean", "floor ms (mem/comp)", "path", "median ms",
+                       "p90 ms", "x floor", "rel L2"], rows, numeric_columns=(4, 5, 6, 7))
+
+
+# The harness on the CPU: the Triton paths under the interpreter, at widths it finishes in seconds.
+CPU_SMOKE = ("TRITON_INTERPRET=1 python -m magi_moe.bench --device cpu --heads 1 --tokens 64 "
+             "--experts 8 --top-k 2 --head-dim 64 --inter 128 --warmup 0 --iters 2 --flush-mib 256")
+TORCH_ONLY_PATHS = ("routing", "torch-bf16")
+
+
+def cannot_run_here(device: str | None, paths: tuple[str, ...]) -> str | None:
+    """Why the benchmark cannot run as asked on this machine, or None: said before any problem
+    is drawn (without it a CPU machine drew production-size problems for most of a minute and
+    then failed inside Triton's driver lookup)."""
+    from ..backends import BACKENDS, interpreter_enabled
+
+    try:
+        kind = "cuda" if device is None else torch.device(device).type
+    except RuntimeError:
+        return f"--device must be cuda, cuda:N or cpu, got {device!r}"
+    if kind not in ("cuda", "cpu"):
+        return f"--device must be cuda, cuda:N or cpu, got {device!r}"
+    if kind == "cuda":
+        why = BACKENDS["cuda"].unavailable_reason()
+        if why is None:
+            return None
+        asked = "" if device is None else f"--device {device}: "
+        return (f"{asked}{why}. The benchmark times GPU kernels: run it on a CUDA machine, or "
+                f"smoke-test the harness on the CPU under the Triton interpreter:\n  {CPU_SMOKE}")
+    triton_paths = [p for p in paths if p not in TORCH_ONLY_PATHS]
+    if triton_paths and not interpreter_enabled():
+        return (f"--device {device} runs the Triton paths ({','.join(triton_paths)}) only under the "
+                f"interpreter: set TRITON_INTERPRET=1 before the command, e.g.\n  {CPU_SMOKE}\n"
+                f"or time only --paths {','.join(TORCH_ONLY_PATHS)}")
+    return None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m magi_moe.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096],
+                    help="tokens per case; several give several cases (default 4096)")
+    ap.add_argument("--heads", type=int, nargs="+", default=[3],
+                    help="MoE heads per case; crossed with --tokens (default 3, one EP4-local rank)")
+    ap.add_argument("--anchors", action="store_true",
+                    help="the four cases of docs/ANCHORS.md instead of --heads x --tokens")
+    ap.add_argument("--experts", type=int, default=256, help="experts per head (default 256)")
+    ap.add_argument("--top-k", type=int, default=6, help="experts chosen per token and head (default 6)")
+    ap.add_argument("--head-dim", type=int, default=256, help="head width Dh (default 256)")
+    ap.add_argument("--inter", type=int, default=1280, help="expert intermediate width I (default 1280)")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed calls per path first (default 10)")
+    ap.add_argument("--iters", type=int, default=100, help="timed calls per path and round (default 100)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds per case; the best round's median is reported (default 1)")
+    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS),
+                    help=f"comma-separated, among {','.join(ALL_PATHS)} (default {','.join(DEFAULT_PATHS)})")
+    ap.add_argument("--flush-mib", type=int, default=512,
+                    help="MiB zeroed before every timed call to flush the L2 (>= 256; default 512)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the drawn problems (default 0)")
+    ap.add_argument("--device", default=None,
+                    help="cuda (the default; refused at once without a GPU) or cpu, a smoke test of "
+                         "the harness with host timers that needs TRITON_INTERPRET=1 for the Triton paths")
+    ap.add_argument("--sweep", action="store_true", help="sweep the fused kernels' tiles first")
+    ap.add_argument("--write-tiles", action="store_true", help="with --sweep: update tiles/fused.json")
+    ap.add_argument("--sweep-only", action="store_true", help="with --sweep: no benchmark after it")
+    ap.add_argument("--merge-tiles", action="store_true",
+                    help="with --write-tiles: replace only the tabled classes the swept cases fall in")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="time each launch of the fused path alone, per case")
+    ap.add_argument("--json", metavar="PATH", help="write everything measured here as JSON")
+    ap.add_argument("--draw", default="anchors",
+                    help=f"routing draws, comma-separated, among {','.join(DRAWS)} (default anchors, "
+                         "docs/ANCHORS.md's; 'concentrated' routes to about a third of the experts)")
+    args = ap.parse_args(argv)
+    args.draws = tuple(d for d in args.draw.split(",") if d)
+    if not args.draws or any(d not in DRAWS for d in args.draws):
+        ap.error(f"--draw must be among {','.join(DRAWS)}, got {args.draw!r}")
+    args.paths = tuple(p for p in args.paths.split(",") if p)
+    bad = [p for p in args.paths if p not in ALL_PATHS]
+    if bad:
+        ap.error(f"--paths must be among {','.join(ALL_PATHS)}, got {','.join(bad)}")
+    if args.flush_mib < 256:
+        ap.error("--flush-mib must be at least 256 (the flush must exceed the L2 several times)")
+    if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
+        ap.error("--iters and --rounds must be >= 1, --warmup >= 0")
+    why = cannot_run_here(args.device, args.paths)
+    if why:
+        ap.error(why)
+    args.device = args.device or "cuda"
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    pairs = ANCHOR_CASES if args.anchors else [(h, s) for h in args.heads for s in args.tokens]
+    cases = [BenchCase(h, s, args.experts, args.top_k, args.head_dim, args.inter, args.seed, draw)
+             for draw in args.draws for h, s in pairs]
+    report: dict = {"environment": environment(device), "args": {k: v for k, v in vars(args).items()},
+                    "ceilings": {"copy_gbps": COPY_GBPS, "matmul_tflops": MATMUL_TFLOPS}}
+    if args.sweep:
+        report["sweep"] = run_sweep(cases, device=device, warmup=3, iters=max(5, args.iters // 5),
+                                    flush_mib=args.flush_mib, write=args.write_tiles,
+                                    merge=args.merge_tiles)
+        print(json.dumps({k: report["sweep"][k] for k in ("classes", "routing")}, indent=1), flush=True)
+    if args.breakdown:
+        report["breakdown"] = {}
+        for case in cases:
+            problem = draw_problem(case, device)
+            bd = breakdown_case(problem, warmup=args.warmup, iters=args.iters,
+                                flush_mib=args.flush_mib)
+            report["breakdown"][case.label] = bd
+            print(f"{case.label:<15} fused launches (ms): "
+                  + "  ".join(f"{k} {v:.3f}" for k, v in bd["ms"].items()), flush=True)
+            del problem
+    results = []
+    for case in ([] if args.sweep and args.sweep_only else cases):
+        results.append(run_case(case, args.paths, device=device, warmup=args.warmup,
+                                iters=args.iters, rounds=args.rounds, flush_mib=args.flush_mib))
+        print(format_table(results[-1:]), flush=True)
+    report["results"] = results
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1, default=str)
+    if results:
+        print(format_table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

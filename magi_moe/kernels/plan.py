@@ -1,0 +1,194 @@
+"""The fused path's launch plan: which kernels run, with which tiles and grids, and why.
+
+:func:`plan_fused` decides on the host, before anything launches, from the config, the token and
+route counts, the tiles asked for, the device (:class:`~.device.DeviceFacts`) and the weights'
+layout; :func:`magi_moe.kernels.fused.run_plan` launches the steps in order. Where the tiles
+ask for a kernel that cannot run, the plan takes the fallback and says why in ``reasons``:
+
+* ``mlp_tma`` (one kernel for gate/up and down) needs TMA (Hopper or later), a head width that
+  is a power of two in 16..256 (a ``[Dh, BLOCK_N]`` tile is one descriptor box), weights a
+  descriptor can view, and, on a GPU, a compiled kernel that fits its shared memory (measured
+  on the compiled kernel by the caller's ``shared_memory_of``). Otherwise gate/up + down run,
+  on :func:`~.tiles.two_kernel_tiles`.
+* ``tma`` / ``tma_gathered`` gate/up need TMA and descriptor-ready ``w_gate``/``w_up``, else
+  the K-loop kernel runs on the same tiles; an activation store by descriptor needs an
+  addressable buffer, else a pointer store.
+* a ``tma`` down projection needs TMA and a descriptor-ready ``w_down``, else pointer loads.
+
+A plan for a real device: ``plan_fused(cfg, S, R, tiles, device_facts(x.device), weights)``;
+for a GPU this machine lacks: ``DeviceFacts(tma=True, shared_memory=232448,
+multiprocessors=132)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from ..config import MoEConfig
+from ..weights import ExpertWeights
+from .descriptors import banked_problem, matrix_rows_problem
+from .device import DeviceFacts, persistent_grid
+from .schedule import cdiv, max_blocks, schedule_programs
+from .tiles import FusedTiles, two_kernel_tiles
+
+SCHEDULE = "block_schedule_kernel"
+EXPERT_MLP = "expert_mlp_tma_kernel"
+GATHER_ROWS = "gather_rows_kernel"
+GATE_UP = "gate_up_kernel"
+GATE_UP_TMA = "gate_up_tma_kernel"
+DOWN = "down_kernel"
+DOWN_TMA = "down_tma_kernel"
+TOPK_SUM = "topk_sum_kernel"
+NO_TMA = "no TMA (tensor descriptors) before Hopper"
+
+
+@dataclass(frozen=True)
+class LaunchStep:
+    """One launch: the Triton kernel's name, its grid (programs) and the tiles it runs with
+    (for ``gate_up_tma_kernel`` the variant, ``tma`` or ``tma_gathered``, and the activation
+    store are the tiles' ``gu_variant`` and ``gu_act_store``)."""
+
+    kernel: str
+    grid: int
+    tiles: FusedTiles
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The launches of one fused call, in order. ``asked``: the tiles the caller gave;
+    ``max_blocks``: the block schedule's entries (0 without routes); ``reasons``: one line per
+    fallback taken (empty when the tiles run as asked); ``clear_slots``: ``slot_route`` is set
+    to -1 first, because the table leaves some (token, head, k) slots without a route;
+    ``activation_rows``: rows of the two-kernel path's activation buffer (0: no such path)."""
+
+    steps: tuple[LaunchStep, ...]
+    asked: FusedTiles
+    facts: DeviceFacts
+    max_blocks: int
+    reasons: tuple[str, ...] = ()
+    clear_slots: bool = False
+    activation_rows: int = 0
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        return tuple(s.kernel for s in self.steps)
+
+    def step(self, kernel: str) -> LaunchStep:
+        for s in self.steps:
+            if s.kernel == kernel:
+                return s
+        raise KeyError(f"the plan launches {self.kernels}, not {kernel!r}")
+
+    def only(self, *kernels: str) -> "LaunchPlan":
+        """The same plan restricted to ``kernels`` (a tuner times one launch at a time); its
+        buffers stay the whole plan's."""
+        return replace(self, steps=tuple(s for s in self.steps if s.kernel in kernels))
+
+    def __str__(self) -> str:
+        lines = [f"{s.kernel} x {s.grid}" for s in self.steps]
+        return "; ".join(lines) + "".join(f"\n  because {r}" for r in self.reasons)
+
+
+def whole_head_problem(config: MoEConfig) -> str | None:
+    """Why the one-kernel path cannot load ``[Dh, BLOCK_N]`` weight tiles in one descriptor box
+    (a power of two, at most 256 per side), or None."""
+    dh = config.head_dim
+    if dh & (dh - 1) == 0 and 16 <= dh <= 256:
+        return None
+    return f"head_dim {dh} is not a power of two in 16..256"
+
+
+def _weight_problems(weights: ExpertWeights, names: tuple[str, ...]) -> list[str]:
+    found = ((name, banked_problem(getattr(weights, name))) for name in names)
+    return [f"{name}: {why}" for name, why in found if why is not None]
+
+
+def _one_kernel_problems(config: MoEConfig, facts: DeviceFacts, weights: ExpertWeights) -> list[str]:
+    if not facts.tma:
+        return [NO_TMA]
+    head = whole_head_problem(config)
+    return ([head] if head else []) + _weight_problems(weights, ("w_gate", "w_up", "w_down"))
+
+
+def _gate_up_step(config: MoEConfig, nb: int, tiles: FusedTiles, facts: DeviceFacts,
+                  weights: ExpertWeights, reasons: list[str]) -> list[LaunchStep]:
+    """The gate/up launches of the two-kernel path (a gather pass first for ``tma_gathered``)."""
+    grid = persistent_grid(nb * (config.intermediate_size // tiles.gu_block_n),
+                           tiles.gu_programs_per_sm, facts)
+    variant = tiles.gu_variant
+    if variant == "kloop":
+        return [LaunchStep(GATE_UP, grid, tiles)]
+    rows = nb * tiles.block_m
+    why = [NO_TMA] if not facts.tma else _weight_problems(weights, ("w_gate", "w_up"))
+    gathered = variant == "tma_gathered"
+    if facts.tma and gathered and matrix_rows_problem(rows):
+        why.append(f"gathered x rows: {matrix_rows_problem(rows)}")
+    if why:
+        reasons.append(f"gu_variant {variant!r} -> {GATE_UP}: " + "; ".join(why))
+        return [LaunchStep(GATE_UP, grid, replace(tiles, gu_variant="kloop"))]
+    if tiles.gu_act_store == "tma" and matrix_rows_problem(rows):
+        reasons.append(f"gu_act_store 'tma' -> 'ptr': activation buffer: {matrix_rows_problem(rows)}")
+        tiles = replace(tiles, gu_act_store="ptr")
+    steps = [LaunchStep(GATHER_ROWS, nb, tiles)] if gathered else []
+    return steps + [LaunchStep(GATE_UP_TMA, grid, tiles)]
+
+
+def _down_step(config: MoEConfig, nb: int, tiles: FusedTiles, facts: DeviceFacts,
+               weights: ExpertWeights, reasons: list[str]) -> LaunchStep:
+    grid = persistent_grid(nb * (config.head_dim // tiles.down_block_n),
+                           tiles.down_programs_per_sm, facts)
+    if tiles.down_variant == "ptr":
+        return LaunchStep(DOWN, grid, tiles)
+    why = [NO_TMA] if not facts.tma else _weight_problems(weights, ("w_down",))
+    if facts.tma and matrix_rows_problem(nb * tiles.block_m):
+        why.append(f"activation buffer: {matrix_rows_problem(nb * tiles.block_m)}")
+    if why:
+        reasons.append(f"down_variant 'tma' -> {DOWN}: " + "; ".join(why))
+        return LaunchStep(DOWN, grid, replace(tiles, down_variant="ptr"))
+    return LaunchStep(DOWN_TMA, grid, tiles)
+
+
+def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: FusedTiles,
+               facts: DeviceFacts, weights: ExpertWeights, *, schedule_built: bool = False,
+               rows_only: bool = False,
+               shared_memory_of: Callable[[LaunchStep], int] | None = None) -> LaunchPlan:
+    """The launches of one fused call on a device with ``facts``.
+
+    ``schedule_built``: the block schedule exists already (the fused router built it), so no
+    schedule launch. ``rows_only``: the expert rows without the top-k sum (the huge-offset
+    fuzzer's entry; the caller then owns ``slot_route``'s unrouted slots). ``shared_memory_of(step)``: bytes of shared memory the step's compiled
+    kernel needs; asked only for the one-kernel step, only where ``facts.shared_memory`` is
+    known (on a GPU), and only once everything else allows the step."""
+    reasons: list[str] = []
+    steps: list[LaunchStep] = []
+    act_rows = 0
+    nb = max_blocks(num_routes, config.num_banks, tiles.block_m) if num_routes else 0
+    if num_routes:
+        if not schedule_built:
+            steps.append(LaunchStep(SCHEDULE, schedule_programs(
+                num_routes, config.num_banks, tiles.block_m, facts), tiles))
+        expert = tiles
+        if tiles.gu_variant == "mlp_tma":
+            one = LaunchStep(EXPERT_MLP, persistent_grid(nb, tiles.gu_programs_per_sm, facts), tiles)
+            why = _one_kernel_problems(config, facts, weights)
+            if not why and facts.shared_memory is not None and shared_memory_of is not None:
+                need = shared_memory_of(one)
+                if need > facts.shared_memory:
+                    why.append(f"{EXPERT_MLP} compiled for these tiles needs {need / 1024:.1f} KiB "
+                               f"of shared memory > the GPU's {facts.shared_memory / 1024:.1f} KiB")
+            if why:
+                reasons.append(f"gu_variant 'mlp_tma' -> {GATE_UP} + {DOWN}: " + "; ".join(why))
+                expert = two_kernel_tiles(tiles, config)
+            else:
+                steps.append(one)
+                expert = None
+        if expert is not None:
+            steps += _gate_up_step(config, nb, expert, facts, weights, reasons)
+            steps.append(_down_step(config, nb, expert, facts, weights, reasons))
+            act_rows = nb * expert.block_m
+    sums = not rows_only and num_tokens > 0
+    if sums:
+        pairs = num_tokens * config.num_heads
+        steps.append(LaunchStep(TOPK_SUM, cdiv(pairs, tiles.sum_block_t), tiles))
+    clear = sums and num_routes < num_tokens * config.num_heads * config.top_k
+    return LaunchPlan(tuple(steps), tiles, facts, nb, tuple(reasons), clear, act_rows)

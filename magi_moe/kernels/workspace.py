@@ -1,0 +1,65 @@
+"""Grow-only device buffers that the fused kernels reuse call after call, one set per device."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import debug
+
+
+class FusedWorkspace:
+    """Grow-only device buffers reused call after call, so a warm call allocates nothing.
+
+    Each named buffer is one flat allocation; a call takes a view of the size it needs and a
+    larger request reallocates (``allocations`` counts those). One workspace serves every
+    layer on its device: calls on one device must be ordered (one stream), as they are within a
+    model's forward. Under :func:`magi_moe.debug.poison_workspaces` float buffers are refilled
+    with NaN (and integer ones with -1) on every request, so an element a kernel should have
+    written and did not shows up in the output."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.allocations = 0
+        # Once a CUDA graph captured calls on this workspace, a buffer it replaced may still be
+        # written by a replay: such buffers are kept (never handed back to the allocator).
+        self.captured = False
+        self._retired: list[torch.Tensor] = []
+
+    def note_capture(self) -> None:
+        """Call once per forward: remembers that a CUDA graph is capturing calls on this
+        workspace (about a microsecond of host time; nothing on a CPU)."""
+        if not self.captured and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            self.captured = True
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            if buf is not None and self.captured:
+                self._retired.append(buf)
+            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+            self._buffers[name] = buf
+            self.allocations += 1
+        view = buf[:numel].view(shape)
+        if debug._poison:  # noqa: SLF001 (the debug switch is module state by design)
+            view.fill_(float("nan") if dtype.is_floating_point else -1)
+        return view
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+_WORKSPACES: dict[torch.device, FusedWorkspace] = {}
+
+
+def shared_workspace(device: torch.device | str) -> FusedWorkspace:
+    """The workspace every fused call on ``device`` shares (``cuda`` means the current GPU)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    ws = _WORKSPACES.get(device)
+    if ws is None:
+        ws = _WORKSPACES[device] = FusedWorkspace(device)
+    return ws
