@@ -207,7 +207,6 @@ def place_routes_kernel(
     s = tb.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
     s_mask = s < num_tokens
     e = tl.arange(0, E_PAD)
-    e_mask = e < NUM_EXPERTS
 
     # chosen[s, e]: token s routes to expert e of this head (at most once per token).
     slot0 = (s * NUM_HEADS + head) * TOP_K
