@@ -59,6 +59,10 @@ def format_table(results: list[dict]) -> str:
         fl = r["floors"]
         for i, (name, st) in enumerate(r["timings"].items()):
             err = r["parity"].get(name, {}).get("rel_l2")
+            if err is None:  # a graph or compiled row: the eager path's error if its bits agree
+                same = r["parity"].get(name, {}).get("bitwise_equal_eager")
+                base = r["parity"].get(name.rsplit(" ", 1)[0], {}).get("rel_l2")
+                err = base if same else None
             rows.append([r["label"] if i == 0 else "",
                          (f"{fl['routed_banks']}/{fl['banks']}, {fl['busiest_over_mean']:.1f}x"
                           if i == 0 and "busiest_over_mean" in fl else ""),
@@ -133,6 +137,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep-only", action="store_true", help="with --sweep: no benchmark after it")
     ap.add_argument("--merge-tiles", action="store_true",
                     help="with --write-tiles: replace only the tabled classes the swept cases fall in")
+    ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="on a GPU also time every path replayed from a captured CUDA graph "
+                         "('NAME graph') and every layer compiled with mode='reduce-overhead' "
+                         "('NAME-layer compiled'); --no-graphs: eager only")
     ap.add_argument("--breakdown", action="store_true",
                     help="time each launch of the fused path alone, per case")
     ap.add_argument("--json", metavar="PATH", help="write everything measured here as JSON")
@@ -184,7 +192,10 @@ def main(argv=None) -> int:
     results = []
     for case in ([] if args.sweep and args.sweep_only else cases):
         results.append(run_case(case, args.paths, device=device, warmup=args.warmup,
-                                iters=args.iters, rounds=args.rounds, flush_mib=args.flush_mib))
+                                iters=args.iters, rounds=args.rounds, flush_mib=args.flush_mib,
+                                graphs=args.graphs))
+        for name, why in results[-1]["not_built"].items():
+            print(f"  {case.label} {name}: not timed: {why}", flush=True)
         print(format_table(results[-1:]), flush=True)
     report["results"] = results
     if args.json:

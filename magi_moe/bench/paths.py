@@ -38,6 +38,16 @@ def _expert_path(problem: Problem, impl: Implementation, out: torch.Tensor) -> C
     return lambda: impl(p.x, p.table, weights, p.config, out=out)
 
 
+class _LayerCall:
+    """``layer(x)`` as a path; keeps ``layer`` reachable for the compiled rows."""
+
+    def __init__(self, layer: torch.nn.Module, x: torch.Tensor):
+        self.layer, self.x = layer, x
+
+    def __call__(self) -> torch.Tensor:
+        return self.layer(self.x)
+
+
 def make_paths(problem: Problem, names: tuple[str, ...]) -> dict[str, Callable[[], torch.Tensor]]:
     """One zero-argument callable per path, all state (outputs, packed weights, layers) built
     here so that the timed call does only the path's own work. An expert path is named by its
@@ -53,7 +63,7 @@ def make_paths(problem: Problem, names: tuple[str, ...]) -> dict[str, Callable[[
             fns[name] = _expert_path(p, get_implementation(name), out)
         elif name in LAYER_PATHS:
             layer = _layer(p, get_implementation(name.removesuffix("-layer")))
-            fns[name] = lambda layer=layer: layer(x)
+            fns[name] = _LayerCall(layer, x)
         elif name == "routing":
             fns[name] = lambda: build_route_table(route(x, p.gate, p.bias, cfg), cfg).offsets
         elif name == "fused-routing":

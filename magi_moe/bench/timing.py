@@ -1,5 +1,15 @@
 """How the benchmark times: CUDA events around each call with the L2 flushed first, paths
-alternated inside every iteration; host timers on the CPU (a smoke test of the harness)."""
+alternated inside every iteration; host timers on the CPU (a smoke test of the harness).
+
+Why not ``triton.testing.do_bench``: it times one function at a time, so two variants compared
+across its calls see different clocks and thermal states, where this harness alternates every
+path inside each iteration (the order rotating); and its per-call L2 clearing is a fixed 256 MB
+buffer, where the flush here is sized by ``--flush-mib`` (the H200's L2 is 60 MB). Nor
+``do_bench_cudagraph``: it replays many calls inside one graph with no flush between them, so
+the weights of one call sit in L2 for the next and a memory-bound path looks faster than it
+can be. The graph rows here (:func:`graph_paths`) replay one captured call per timed sample,
+flushed like the eager ones, so eager and graph times differ only by the host's launch work.
+"""
 from __future__ import annotations
 
 import math
@@ -48,6 +58,40 @@ def time_paths(fns: dict[str, Callable[[], object]], *, warmup: int, iters: int,
     return times
 
 
+def graph_paths(fns: dict[str, Callable[[], object]], layers: dict[str, torch.nn.Module],
+                x: torch.Tensor) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+    """For each path, ``NAME graph``: one call captured in a ``torch.cuda.CUDAGraph`` and
+    replayed; for each layer, ``NAME compiled``: ``torch.compile(layer, mode="reduce-overhead",
+    fullgraph=True)``, which replays inductor's CUDA graph. Returns the new callables and, for
+    those that could not be built, why (a capture that synchronises, a graph break): reported,
+    never timed."""
+    made: dict[str, Callable[[], object]] = {}
+    failed: dict[str, str] = {}
+    for name, fn in fns.items():
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(3):  # warm: compiled kernels, grown workspaces
+                    fn()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            made[f"{name} graph"] = graph.replay
+        except Exception as exc:  # noqa: BLE001 -- reported in the JSON and the table's notes
+            failed[f"{name} graph"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    for name, layer in layers.items():
+        try:
+            compiled = torch.compile(layer, mode="reduce-overhead", fullgraph=True)
+            for _ in range(3):  # warm-up, recording, first replay
+                compiled(x)
+            made[f"{name} compiled"] = lambda compiled=compiled: compiled(x)
+        except Exception as exc:  # noqa: BLE001
+            failed[f"{name} compiled"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return made, failed
+
+
 def summarize(samples: list[float]) -> dict:
     ordered = sorted(samples)
     p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
@@ -56,11 +100,24 @@ def summarize(samples: list[float]) -> dict:
 
 
 def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, warmup: int,
-             iters: int, rounds: int, flush_mib: int) -> dict:
+             iters: int, rounds: int, flush_mib: int, graphs: bool = False) -> dict:
     problem = draw_problem(case, device)
     fl = floors(problem)
     fns = make_paths(problem, paths)
     checks = parity(problem, fns)
+    not_built: dict[str, str] = {}
+    if graphs and device.type == "cuda":
+        layers = {n: getattr(f, "layer") for n, f in fns.items() if hasattr(f, "layer")}
+        made, not_built = graph_paths(fns, layers, problem.x)
+        for name, fn in made.items():  # each replay gives the eager path's bits (deterministic)
+            base = name.rsplit(" ", 1)[0]
+            want = fns[base]()
+            if isinstance(want, torch.Tensor):
+                want = want.clone()
+                got = fn()
+                got = got if isinstance(got, torch.Tensor) else None
+                checks[name] = {"bitwise_equal_eager": got is None or bool(torch.equal(got, want))}
+        fns = {**fns, **made}
     best: dict[str, dict] = {}
     for _ in range(rounds):
         times = time_paths(fns, warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
@@ -73,7 +130,7 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
         if name not in ROUTING_PATHS:
             stats["tflops"] = fl["flops"] / (stats["median_ms"] * 1e-3) / 1e12
     return {"case": asdict(case), "label": case.label, "floors": fl, "parity": checks,
-            "timings": best}
+            "timings": best, "not_built": not_built}
 
 
 def time_one(fn: Callable[[], object], *, warmup: int, iters: int, flush_mib: int,
