@@ -583,3 +583,45 @@ def test_production_accuracy_and_bitwise_repeatability(cuda_only):
     first = layer(problem.x)
     for _ in range(20):
         assert torch.equal(layer(problem.x), first)
+
+
+# ---------------------------------------------------------------------------------------------
+# the launch plan never changes a token's bits (what bitwise expert parallelism rests on)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.skipif(BACKENDS["cuda"].unavailable_reason() is not None,
+                    reason=f"cuda: {BACKENDS['cuda'].unavailable_reason()}")
+@pytest.mark.parametrize("config_name,tokens", [("magi2-ep4-local", 700), ("small", 300)])
+def test_every_launch_plan_gives_the_same_bits(config_name, tokens):
+    """Every tabled class's tiles, other one-kernel tiles, the two-kernel fallbacks (pointer and
+    descriptor) and row-strided weights: bit for bit the output of the tiles this problem gets.
+    A rank of an EP group gets other tiles than the whole layer (other route counts per bank),
+    so a difference here is a difference between EP and one process."""
+    from magi_moe.kernels.tiles import choose_fused_tiles, load_tile_table
+
+    device = torch.device("cuda")
+    problem = random_problem(preset(config_name), tokens, seed=31, device=device, gate_std=1 / 16)
+    cfg = problem.config
+    tabled = choose_fused_tiles(cfg, problem.table.num_routes, device)
+    classes = [t.fitted(cfg) for _, t in (load_tile_table(torch.cuda.get_device_name()) or [])]
+    two = two_kernel_tiles(dataclasses.replace(tabled, gu_variant="mlp_tma"), cfg)
+    plans = {f"class {i}": t for i, t in enumerate(classes)}
+    plans.update({
+        "portable": PORTABLE_TILES.fitted(cfg),
+        "one kernel bm64": dataclasses.replace(tabled, gu_variant="mlp_tma", block_m=64, gu_warps=4,
+                                               gu_block_k=cfg.head_dim).fitted(cfg),
+        "two kernels": two,
+        "two kernels, descriptors": dataclasses.replace(two, gu_variant="tma_gathered",
+                                                        down_variant="tma"),
+    })
+    want = _forward_with(problem, tabled)
+    assert not torch.isnan(want).any()
+    for name, tiles in plans.items():
+        got = _forward_with(problem, tiles)
+        differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
+        assert differ == 0, f"{name} ({tiles}): {differ} of {got.numel()} elements differ"
+    strided = ExpertWeights(*(torch.empty(*w.shape[:-1], w.shape[-1] + 32, dtype=w.dtype,
+                                          device=device)[..., :w.shape[-1]].copy_(w)
+                              for w in problem.weights))
+    got = _forward_with(problem, tabled, strided)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), "row-strided weights differ"
