@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -18,7 +19,10 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@lru_cache(maxsize=None)
 def triton_installed() -> bool:
+    """Whether Triton can be imported (an installation does not change within a process; the
+    layer asks on every call)."""
     return importlib.util.find_spec("triton") is not None
 
 

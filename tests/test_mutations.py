@@ -3,6 +3,7 @@ deliberate bug; the same differential check that passes the real kernel must rej
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -39,8 +40,10 @@ MUTANTS = [
 def write_mutant(tmp_path: pathlib.Path, name: str, original: str, mutated: str) -> pathlib.Path:
     source = pathlib.Path(native.__file__).read_text()
     assert source.count(original) == 1, f"mutant {name}: pattern not found once in native.py"
-    source = source.replace(original, mutated).replace("from ..", "from magi_moe.").replace(
-        "from .rounding", "from magi_moe.kernels.rounding")
+    # A standalone module: its relative imports become absolute (siblings live in kernels/).
+    source = re.sub(r"^from \.(\w)", r"from magi_moe.kernels.\1",
+                    source.replace(original, mutated).replace("from ..", "from magi_moe."),
+                    flags=re.M)
     path = tmp_path / f"native_mutant_{name.replace('-', '_')}.py"
     path.write_text(source)
     return path

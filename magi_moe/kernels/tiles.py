@@ -166,10 +166,16 @@ class RoutingTiles:
 
     def fitted(self, config: MoEConfig) -> "RoutingTiles":
         """block_d shrunk to a power of two dividing Dh (a multiple of 16), so no masks."""
-        block_d = min(self.block_d, 1 << (config.head_dim.bit_length() - 1))
-        while config.head_dim % block_d:
-            block_d //= 2
-        return replace(self, block_d=max(block_d, 16))
+        return _fitted_routing(self, config.head_dim)
+
+
+@lru_cache(maxsize=1024)  # asked on every routed call: dataclasses.replace costs host time
+def _fitted_routing(tiles: RoutingTiles, head_dim: int) -> RoutingTiles:
+    block_d = min(tiles.block_d, 1 << (head_dim.bit_length() - 1))
+    while head_dim % block_d:
+        block_d //= 2
+    block_d = max(block_d, 16)
+    return tiles if block_d == tiles.block_d else replace(tiles, block_d=block_d)
 
 
 INTERPRETER_ROUTING_TILES = RoutingTiles(block_s=64, block_d=256, warps=1,
@@ -325,9 +331,16 @@ def gpu_tile_choice(config: MoEConfig, num_routes: int, device_name: str,
                    f"the fused kernels on {device_name} use {choice}; "
                    f"python -m magi_moe.bench --sweep --write-tiles tables this GPU")
         return choice
-    match = load_device_entry(device_name, path)["match"]
     per_bank = num_routes / max(config.num_banks, 1)
-    edge, tiles = next(((e, t) for e, t in classes if per_bank <= e), classes[-1])
+    edge = next((e for e, _ in classes if per_bank <= e), classes[-1][0])
+    return _tabled_choice(config, edge, device_name, path)
+
+
+@lru_cache(maxsize=1024)  # one per (config, class, GPU, table): asked on every call
+def _tabled_choice(config: MoEConfig, edge: float, device_name: str, path: Path) -> TileChoice:
+    classes = load_tile_table(device_name, path)
+    match = load_device_entry(device_name, path)["match"]
+    tiles = next(t for e, t in classes if e == edge)
     return TileChoice(tiles.fitted(config), "table", path, match, edge)
 
 
