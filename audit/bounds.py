@@ -187,6 +187,7 @@ def _source_gain(model: PrecisionModel, top_k: int) -> float:
     return gain
 
 
+@torch.no_grad()  # routes taken from a live layer may carry autograd history
 def compute_error_bounds(
     x: torch.Tensor,
     table: RouteTable,
@@ -426,54 +427,11 @@ def check_error_bounds(out: torch.Tensor, problem: Problem,
                        precision_model: PrecisionModel | str | Implementation, *,
                        failure_probability: float = DEFAULT_FAILURE_PROBABILITY,
                        label: str = "") -> BoundReport:
-    """The proven tolerance for tests: bounds for ``problem`` under ``precision_model`` (a model,
-    its name, or an Implementation, whose declared model is used), then ``out`` checked
-    against them. Use ``report.ok`` (both bounds) or ``report.proven_ok`` (worst case only)."""
+    """The bounds criterion alone (tests judge with :func:`audit.judge.judge`, which applies it
+    first): bounds for ``problem`` under ``precision_model`` (a model, its name, or an
+    Implementation, whose declared model is used), then ``out`` checked against them. Use
+    ``report.ok`` (both bounds) or ``report.proven_ok`` (worst case only)."""
     if isinstance(precision_model, Implementation):
         label = label or precision_model.name
     bounds = problem_bounds(problem, precision_model, failure_probability=failure_probability)
     return evaluate_bounds(out, bounds, label=label)
-
-
-@dataclass
-class BaselineComparison:
-    """FlashAttention-style check: the kernel's error against plain PyTorch's at working
-    precision, plus a noise floor (the error of the correctly rounded reference)."""
-
-    error: float            # max |out - reference|
-    baseline_error: float   # max |baseline - reference|
-    floor: float            # max |round(reference) - reference|
-    relative_l2: float
-    baseline_relative_l2: float
-    factor: float
-
-    @property
-    def ratio(self) -> float:
-        """Kernel error over baseline error (relative L2); < 1 means more accurate."""
-        return self.relative_l2 / self.baseline_relative_l2 if self.baseline_relative_l2 else math.inf
-
-    @property
-    def ok(self) -> bool:
-        return self.error <= self.factor * self.baseline_error + self.floor
-
-    def summary(self) -> str:
-        return (f"error/baseline {self.ratio:.3f} (rel L2 {self.relative_l2:.3g} vs "
-                f"{self.baseline_relative_l2:.3g}); max abs {self.error:.3g} <= {self.factor:g} x "
-                f"{self.baseline_error:.3g} + floor {self.floor:.3g}: {'ok' if self.ok else 'FAIL'}")
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__, ratio=self.ratio, ok=self.ok)
-
-
-def compare_with_baseline(out: torch.Tensor, baseline: torch.Tensor, reference: torch.Tensor, *,
-                          dtype: torch.dtype, factor: float = 2.0) -> BaselineComparison:
-    """``out`` and ``baseline`` (plain PyTorch at working precision) against the float64
-    ``reference``; the floor is what rounding the reference once to ``dtype`` costs."""
-    ref = reference.double()
-    def errors(t):
-        d = (t.to(ref.device).double() - ref)
-        return float(d.abs().max()), float(d.norm() / ref.norm()) if float(ref.norm()) else 0.0
-    err, rel = errors(out)
-    base, base_rel = errors(baseline)
-    floor, _ = errors(ref.to(dtype))
-    return BaselineComparison(err, base, floor, rel, base_rel, factor)

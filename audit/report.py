@@ -1,7 +1,8 @@
 """``python -m audit``: every auditor in one run, a summary table, report.md, report.json, plots.
 
-Sections, in order: backend self-check; the bounds' own mpmath validation; error bounds for each
-implementation on each probe (with the FlashAttention-style baseline ratio); negative controls
+Sections, in order: backend self-check; the bounds' own mpmath validation; each implementation
+on each probe judged by :func:`audit.judge.judge` (error bounds first, then the FlashAttention-style
+baseline ratio and faithfulness to its precision model's emulation); negative controls
 (broken emulations the bounds must flag); determinism; weight cache; discipline and
 ``torch.compile`` (CUDA). Each produces rows with a status: ``pass``, ``FAIL``, ``info`` or
 ``skip``. Any ``FAIL`` makes the exit status 1.
@@ -27,11 +28,11 @@ from magi_moe.registry import get_implementation, implementations
 from magi_moe.text_tables import format_table
 
 from . import mpcheck
-from .bounds import (DEFAULT_FAILURE_PROBABILITY, BoundReport, compare_with_baseline,
-                     compute_error_bounds, evaluate_bounds)
+from .bounds import DEFAULT_FAILURE_PROBABILITY, BoundReport, compute_error_bounds, evaluate_bounds
 from .cache import audit_weight_cache
 from .determinism import audit_determinism, audit_layer_determinism
 from .emulation import FP32ACC_EMULATION, negative_controls
+from .judge import judge
 from .precision import precision_model
 from .probes import PROBE_DESCRIPTIONS, PROBES, probe_problem
 from .selfcheck import run_selfcheck
@@ -261,23 +262,27 @@ class Audit:
                      f"{type(exc).__name__}: {exc}")
             return
         seconds = time.perf_counter() - start
-        report = evaluate_bounds(out, bounds, label=impl.name)
-        self.bound_reports.append((preset_name, probe, impl.name, report))
-        result = (f"{report.model}: err/bound max {report.worst_max_ratio:.3g} worst-case, "
-                  f"{report.prob_max_ratio:.3g} probabilistic; rel L2 {report.relative_l2:.2e}")
-        data = {"bounds": report.to_dict(), "seconds": seconds, "preset": preset_name, "probe": probe}
-        if report.model != "float64" and impl is not BASELINE:
-            fa = compare_with_baseline(out, base_out, bounds.reference, dtype=problem.x.dtype)
-            result += f"; vs {BASELINE.name} {fa.ratio:.2f}x"
-            data["baseline"] = fa.to_dict()
-            ok = report.ok and fa.ok
+        verdict = judge(out, problem, impl, bounds=bounds, baseline=base_out)
+        report = verdict.bound_report
+        data = {"judge": verdict.metrics, "text": verdict.text, "seconds": seconds,
+                "preset": preset_name, "probe": probe}
+        if report is None:  # not finite: the judge looked no further
+            result = verdict.deciding.text
         else:
-            ok = report.ok
-        if not report.proven_ok:
-            result += " -- WORST-CASE BOUND VIOLATED"
-        elif not report.ok:
-            result += " -- precision loss beyond the model"
-        self.add("bounds", f"{impl.name} @ {preset_name}/{probe}", PASS if ok else FAIL, result, data)
+            self.bound_reports.append((preset_name, probe, impl.name, report))
+            data["bounds"] = report.to_dict()
+            result = (f"{report.model}: err/bound max {report.worst_max_ratio:.3g} worst-case, "
+                      f"{report.prob_max_ratio:.3g} probabilistic; rel L2 {report.relative_l2:.2e}")
+            versus = verdict.check("baseline")  # absent for fp32 inputs (see audit.judge)
+            if versus is not None:
+                result += f"; vs {BASELINE.name} {versus.figures['baseline_ratio']:.2f}x"
+            faithful = verdict.check("faithfulness")
+            if faithful is not None and "within_one_ulp" in faithful.figures:
+                result += f"; {faithful.figures['within_one_ulp']:.2%} within one ulp of its emulation"
+        if not verdict.ok:
+            result += f" -- FAILED on {verdict.criterion}: {verdict.deciding.text}"
+        self.add("bounds", f"{impl.name} @ {preset_name}/{probe}", PASS if verdict.ok else FAIL,
+                 result, data)
 
     def section_controls(self) -> None:
         """Broken emulations on the CPU at the small preset: each must be flagged on some probe."""
@@ -506,7 +511,10 @@ def markdown(rows: list[Row], meta: dict, plots: list[str], ok: bool) -> str:
            "Error bounds: per element, |out - float64 reference| against an a-priori worst-case "
            "bound (must never be exceeded) and a probabilistic one (Higham & Mary 2019; exceeded "
            f"with probability < {meta['failure_probability']:g} by an implementation that follows "
-           "its precision model). Probes:", ""]
+           "its precision model). Each bounds row is the accuracy judge's verdict "
+           "(`audit.judge`): the bounds first, then at most twice the plain PyTorch baseline's "
+           "error plus one rounding (FlashAttention-style), then faithfulness to the precision "
+           "model's emulation where it promises that. Probes:", ""]
     out += [f"- `{k}`: {v}" for k, v in PROBE_DESCRIPTIONS.items()]
     out += ["", "## Summary", "", "```", summary_table(rows), "```", ""]
     for section in dict.fromkeys(r.section for r in rows):

@@ -5,8 +5,8 @@ The layer is ``impl.layer(config, state_dict, device)`` (or a factory with that 
 built from a released-layout state dict the machine draws; it is driven through its own
 parameters and its own cache, and its *current* weights are read back through
 ``layer.state_dict()`` (released names). Each forward is checked against the float64 reference
-on those weights (same routes, error within :mod:`fuzz.tolerance`'s bound), so a cache that
-serves old weights fails at once. Drawn states and changes keep the two router bias tensors
+on those weights by the one accuracy judge (:mod:`audit.judge`, same routes, the layer's
+declared precision model), so a cache that serves old weights fails at once. Drawn states and changes keep the two router bias tensors
 equal, so whichever one the layer selects with, the reference selects with the same values.
 
 Single-tensor changes reach a tensor by ``layer.get_parameter(name)`` / ``get_buffer(name)``;
@@ -47,14 +47,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from torch import nn
 
+from magi_moe.audit.cache import reach_tensor
+from magi_moe.audit.judge import judge
+from magi_moe.audit.precision import precision_model
 from magi_moe.config import MoEConfig
 from magi_moe.implementation import Implementation
-from magi_moe.reference import expert_reference
+from magi_moe.problems import Problem
 from magi_moe.routing import build_route_table, route
-from magi_moe.audit.cache import reach_tensor
 from magi_moe.weights import ExpertWeights
 
-from .tolerance import differential_report
+from .tolerance import CAMPAIGN_FAILURE_PROBABILITY
 
 __all__ = ["AUDIT_ROUTES", "CHANGES", "EXPERT_PARAMS", "NEEDS_INVALIDATE", "ROUTER_TENSORS",
            "LayerFactory", "layer_factory_for", "weight_swap_machine"]
@@ -99,6 +101,7 @@ def layer_factory_for(impl: str | Implementation) -> LayerFactory:
     def make(config: MoEConfig, state_dict: Mapping[str, torch.Tensor], device) -> nn.Module:
         return impl.layer(config, state_dict, device)
     make.__name__ = f"layer_of_{impl.name.replace('-', '_')}"
+    make.precision = impl.precision  # what weight_swap_machine judges its outputs by
     return make
 
 
@@ -143,13 +146,19 @@ def _change_rule(how: str, names, then_forwards):
 
 
 def weight_swap_machine(layer, *, config: MoEConfig, device: str = "cpu", max_tokens: int = 24,
-                        packed: tuple[str, ...] = EXPERT_PARAMS) -> type[RuleBasedStateMachine]:
+                        packed: tuple[str, ...] = EXPERT_PARAMS,
+                        precision: str | None = None) -> type[RuleBasedStateMachine]:
     """A ``RuleBasedStateMachine`` class for the layers of ``layer``: an Implementation, its name,
     or a factory ``make_layer(config, state_dict, device)``.
-    ``packed``: the weights whose change may (and must) trigger a repack."""
+    ``packed``: the weights whose change may (and must) trigger a repack.
+    ``precision``: the precision model forwards are judged by; default the implementation's
+    declared one (:func:`layer_factory_for` carries it), else ``bf16-plain`` (plain PyTorch's,
+    the loosest) for a factory that declares none."""
     make_layer = _as_factory(layer)
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    precision = precision or getattr(make_layer, "precision", None) or "bf16-plain"
+    precision_model(precision, config.dtype)  # an unknown model fails here, not mid-run
     unknown = set(packed) - set(ALL_TENSORS)
     if unknown or not packed:
         raise ValueError(f"packed must be a non-empty subset of {ALL_TENSORS}, got {packed}")
@@ -382,16 +391,15 @@ def weight_swap_machine(layer, *, config: MoEConfig, device: str = "cpu", max_to
             state = self.layer.state_dict()
             bias, ema = state["router.expert_bias"].float(), state["router.expert_bias_ema"].float()
             assert torch.equal(bias, ema), "the layer changed one router bias without the other"
-            routes = route(x, state["gate"].detach().float(), ema, config)
-            table = build_route_table(routes, config)
+            gate = state["gate"].detach().float()
+            routes = route(x, gate, ema, config)
             current = ExpertWeights(*(state[n].detach().to(config.dtype) for n in EXPERT_PARAMS))
-            ref = expert_reference(x, table, current, config, precision="float64")
-            base = expert_reference(x, table, current, config, precision="bf16")
-            report = differential_report(y, ref, base, y.dtype)
+            problem = Problem(config, x, gate, ema, current, routes, build_route_table(routes, config))
+            verdict = judge(y, problem, precision, failure_probability=CAMPAIGN_FAILURE_PROBABILITY)
             since = ", ".join(self.changed) or "nothing"
-            note(f"forward({tokens} tokens): ratio {report.ratio:.3f}, packs {self.last_packs} -> {packs}")
-            assert report.ok, (f"forward after [{since}] does not match the reference on the current "
-                               f"weights (stale weights?): {report.describe()}")
+            note(f"forward({tokens} tokens): ratio {verdict.ratio:.3f}, packs {self.last_packs} -> {packs}")
+            assert verdict.ok, (f"forward after [{since}] does not match the reference on the current "
+                                f"weights (stale weights?): {verdict.text}")
             if packs is not None and self.last_packs is not None:
                 delta = packs - self.last_packs
                 assert 0 <= delta <= 1, f"one forward after [{since}] packed {delta} times"

@@ -46,6 +46,7 @@ __all__ = ["CachedToyLayer", "SnapshotCache", "VersionKeyedCache", "drops_last_t
 from magi_moe.backends import interpreter_enabled
 from magi_moe.config import MoEConfig
 from magi_moe.kernels.native import block_schedule, choose_tiles
+from magi_moe.kernels.rounding import round_operand
 from magi_moe.layer import MagiMoE
 from magi_moe.reference import expert_reference, swiglu7
 from magi_moe.implementation import Implementation, RowLauncher
@@ -91,11 +92,11 @@ def _int32_offsets_kernel(
             w_u = w_u.to(tl.float32)
         g = tl.minimum(tl.dot(x_tile, w_g, input_precision="ieee"), 7.0)
         u = tl.minimum(tl.maximum(tl.dot(x_tile, w_u, input_precision="ieee"), -7.0), 7.0)
-        a = (g * tl.sigmoid(1.702 * g) * (u + 1.0)).to(w_down_ptr.dtype.element_ty)
+        # rounded once, to nearest even under the interpreter too (its own cast truncates)
+        a = round_operand(g * tl.sigmoid(1.702 * g) * (u + 1.0), w_down_ptr.dtype.element_ty, UPCAST)
         w_d = tl.load(w_down_ptr + bank * (INTER * HEAD_DIM) + n[:, None] * HEAD_DIM + d[None, :],
                       mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         if UPCAST:
-            a = a.to(tl.float32)
             w_d = w_d.to(tl.float32)
         acc += tl.dot(a, w_d, input_precision="ieee")
     acc = acc * tl.load(probs_ptr + rows, mask=row_mask, other=0.0)[:, None]

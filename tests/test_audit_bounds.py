@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from magi_moe.audit.bounds import (BoundReport, check_error_bounds, compare_with_baseline,
-                          compute_error_bounds, evaluate_bounds, problem_bounds)
+from magi_moe.audit.bounds import (BoundReport, check_error_bounds, compute_error_bounds,
+                                   evaluate_bounds, problem_bounds)
+from magi_moe.audit.judge import judge
 from magi_moe.audit.precision import (BF16, FP32, gamma, gamma_probabilistic, hoeffding_lambda,
                              precision_model, truncating, with_truncating_downcasts)
 from magi_moe.audit.probes import PROBES, probe_problem
 from magi_moe.config import preset
 from magi_moe.problems import run_poisoned
 from magi_moe.reference import expert_reference
-from magi_moe.registry import get_implementation
 from magi_moe.tests.audit_broken import (BF16_DOWN_ACCUMULATION, BF16_GATE_UP_ACCUMULATION,
                                 CORRECT_EMULATION, ROUNDS_BEFORE_SWIGLU)
 
@@ -42,24 +42,20 @@ def test_implementation_within_bounds(impl_backend, impl_dtype, probe):
     cfg = preset("tiny") if backend.runs_triton and backend.name != "cuda" else preset("small")
     problem = probe_problem(probe, cfg.replace(dtype=impl_dtype), 64, seed=3,
                             device=impl_backend.device)
-    report = check_error_bounds(run_poisoned(impl, problem), problem, impl)
-    assert report.ok, report.summary()
-    assert report.nonfinite == 0
+    v = judge(run_poisoned(impl, problem), problem, impl)
+    assert v.ok, v.text
+    assert v.bound_report.nonfinite == 0
 
 
 @pytest.mark.parametrize("probe", PROBES)
 def test_fp32acc_emulation_passes_and_beats_baseline(small_probes, probe):
     problem = small_probes[probe]
-    out = run_poisoned(CORRECT_EMULATION, problem)
-    report = check_error_bounds(out, problem, "bf16-fp32acc")
-    assert report.ok, report.summary()
+    v = judge(run_poisoned(CORRECT_EMULATION, problem), problem, "bf16-fp32acc")
+    assert v.ok, v.text
     # Real margin, not a lucky pass: the worst element sits well under the tight bound.
-    assert report.prob_max_ratio < 0.6, report.summary()
-    baseline = run_poisoned(get_implementation("torch-bf16"), problem)
-    fa = compare_with_baseline(out, baseline, problem_bounds(problem, "bf16-fp32acc").reference,
-                               dtype=problem.x.dtype)
-    assert fa.ok, fa.summary()
-    assert fa.ratio < 1.0, fa.summary()  # fp32 accumulation beats plain PyTorch bf16
+    assert v.bound_report.prob_max_ratio < 0.6, v.text
+    # fp32 accumulation beats plain PyTorch bf16
+    assert v.check("baseline").figures["baseline_ratio"] < 1.0, v.text
 
 
 def test_correct_emulation_passes_on_fresh_seeds():

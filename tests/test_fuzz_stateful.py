@@ -44,6 +44,8 @@ def test_machine_rejects_bad_arguments():
         weight_swap_machine(snapshot_cache_layer, config="tiny")
     with pytest.raises(ValueError, match="packed"):
         weight_swap_machine(snapshot_cache_layer, config=CONFIG, packed=("W_nope",))
+    with pytest.raises(ValueError, match="precision model must be"):
+        weight_swap_machine(snapshot_cache_layer, config=CONFIG, precision="fp8")
 
 
 def test_every_spec_change_route_is_a_rule():

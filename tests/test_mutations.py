@@ -1,5 +1,5 @@
 """The suite must fail on broken kernels. Each mutant is the native kernel's source with one
-deliberate bug; the same differential check that passes the real kernel must reject it."""
+deliberate bug; the accuracy judge (audit.judge) that passes the real kernel must reject it."""
 import importlib.util
 import os
 import pathlib
@@ -17,7 +17,7 @@ from magi_moe.config import preset
 from magi_moe.problems import random_problem, run_poisoned
 from magi_moe.registry import Implementation
 
-from magi_moe.tests.numerics import assert_matches_oracle
+from magi_moe.audit.judge import judge
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -60,7 +60,7 @@ MISSED, ALL_CAUGHT = 10, 11  # child exit codes; a crash (negative code) also co
 
 
 def check_mutant(source_path: str, device: str) -> None:
-    """Child-process body: run both kernel variants of the mutant through the differential check.
+    """Child-process body: run both kernel variants of the mutant through the accuracy judge.
     Exits MISSED if any variant passes it, ALL_CAUGHT if the check rejects both."""
     spec = importlib.util.spec_from_file_location(pathlib.Path(source_path).stem, source_path)
     module = importlib.util.module_from_spec(spec)
@@ -73,10 +73,9 @@ def check_mutant(source_path: str, device: str) -> None:
             return module.native_forward(x, table, weights, config, deterministic=deterministic, out=out)
 
         mutant = Implementation("mutant", forward, ("interpret", "cuda"), "bf16-fp32acc")
-        try:
-            assert_matches_oracle(run_poisoned(mutant, problem), problem, mutant)
-        except AssertionError as exc:
-            print(f"deterministic={deterministic}: caught: {str(exc)[:200]}", flush=True)
+        verdict = judge(run_poisoned(mutant, problem), problem, mutant)
+        if not verdict.ok:
+            print(f"deterministic={deterministic}: caught: {verdict.text[:300]}", flush=True)
         else:
             print(f"deterministic={deterministic}: MISSED", flush=True)
             sys.exit(MISSED)
