@@ -16,7 +16,6 @@ Three kinds of check, each returning :class:`Check` rows for the report:
 """
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from typing import Iterator

@@ -154,7 +154,7 @@ def _empty_expert_garbage(x, table, weights, config, *, out):
     out.copy_(expert_reference(x, table, weights, config, precision="bf16"))
     if table.num_routes == 0:
         return out
-    H, E, Dh = config.num_heads, config.num_experts, config.head_dim
+    E, Dh = config.num_experts, config.head_dim
     counts, offsets = table.counts().tolist(), table.offsets.tolist()
     for f, count in enumerate(counts):
         if count:

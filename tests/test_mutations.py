@@ -1,7 +1,6 @@
 """The suite must fail on broken kernels. Each mutant is the native kernel's source with one
 deliberate bug; the accuracy judge (audit.judge) that passes the real kernel must reject it."""
 import importlib.util
-import os
 import pathlib
 import re
 import subprocess
