@@ -22,9 +22,13 @@ first that fails decides; ``Verdict.text`` names it with the measured and the al
    the oracle itself, so bitwise equal to it; ``bf16-fp32acc`` differs from its exact emulation
    (``expert_reference(precision="fp32acc")``) only in fp32 summation order, which flips a
    rounding now and then: at least ``FAITHFUL_FRACTION`` of the elements within one output ulp
-   of the emulation, and the relative L2 gap at most ``FAITHFUL_GAP`` of the emulation's own
-   error. (A kernel that truncated its bf16 roundings left 25% of elements beyond one ulp, and a
-   gap of 2.0.)
+   of the emulation (never less than fp32's smallest normal number: GPU fp32 sums flush
+   subnormals), and the relative L2 gap at most ``FAITHFUL_GAP`` of the emulation's own error.
+   Where sums cancel, the order alone moves outputs by several ulps (the swamp and cancel probes
+   on the H200: 95-99% within one ulp, gaps 0.28-0.64): when the strict form fails, the same
+   emulation summed in another order is computed, and its distance from the first is allowed
+   on top, element by element and in the gap. (A kernel that truncated its bf16 roundings left
+   25% of elements beyond one ulp, and a gap of 2.0.)
 
 Criteria 3 and the one-ulp form of 4 apply where the working dtype is coarser than the
 accumulator (bf16, fp16 inputs). With fp32 inputs the baseline's error and any kernel's are both
@@ -37,6 +41,7 @@ compute_error_bounds`, whose ``reference`` is the float64 oracle, and the ``base
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -64,6 +69,7 @@ FAITHFUL_FRACTION = 0.99
 # tokens (1536 outputs), 0.000-0.004 under the interpreter at small widths; truncating the bf16
 # roundings instead gave 2.0.
 FAITHFUL_GAP = 0.25
+FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126, below which fp32 sums may flush to zero
 # What each precision model promises beyond its bounds: the reference precision it must be
 # faithful to, and how ("exact": bitwise; "ulp": the two statistics above).
 FAITHFUL = {"float64": ("float64", "exact"), "bf16-fp32acc": ("fp32acc", "ulp")}
@@ -207,6 +213,18 @@ def _baseline(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor) -> Check
     return Check("baseline", ratio <= 1.0, ratio, text, figures)
 
 
+def _reordered(problem: Problem) -> Problem:
+    """The same problem with both reductions read backwards: each head's ``Dh`` inputs (with
+    W_gate/W_up's rows) and the ``I`` intermediate units (W_gate/W_up's columns, W_down's rows).
+    Mathematically the same outputs in the same columns; in fp32, sums in another order."""
+    p, cfg = problem, problem.config
+    S, H, Dh = p.x.shape[0], cfg.num_heads, cfg.head_dim
+    w = p.weights
+    x = p.x.view(S, H, Dh).flip(-1).reshape(S, H * Dh)
+    weights = type(w)(w.w_gate.flip(1, 2), w.w_up.flip(1, 2), w.w_down.flip(1))
+    return dataclasses.replace(p, x=x, weights=weights)
+
+
 def _faithfulness(out: torch.Tensor, problem: Problem, ref: torch.Tensor, precision: str,
                   how: str) -> Check:
     p = problem
@@ -219,19 +237,40 @@ def _faithfulness(out: torch.Tensor, problem: Problem, ref: torch.Tensor, precis
                      f"(precision={precision!r}); allowed: none (bitwise equal)",
                      {"differing": differ})
     gap = (out.double() - emulated.double()).abs()
-    within = float((gap <= ulp(emulated, out.dtype)).double().mean()) if gap.numel() else 1.0
+    # One output ulp, and never less than fp32's smallest normal number: fp32 accumulators may
+    # flush subnormal sums to zero (tensor cores and fp32 atomics do; the CPU emulation does not).
+    tolerance = ulp(emulated, out.dtype).clamp_min(FP32_TINY)
     emulated_err = relative_l2(emulated.to(ref.device), ref)
+    scale = max(emulated_err, FP32.unit)  # (an emulation exact to fp32 noise: that noise instead)
     gap_rel = relative_l2(out, emulated)
-    # (an emulation exact to fp32 noise: the gap is measured against that noise instead)
-    gap_ratio = gap_rel / max(emulated_err, FP32.unit)
-    ok = within >= FAITHFUL_FRACTION and gap_ratio <= FAITHFUL_GAP
-    ratio = max(_ratio(1 - within, 1 - FAITHFUL_FRACTION), gap_ratio / FAITHFUL_GAP)
+    within = float((gap <= tolerance).double().mean()) if gap.numel() else 1.0
+    order_gap, order = 0.0, "no reordering needed"
+    if within < FAITHFUL_FRACTION or gap_rel / scale > FAITHFUL_GAP:
+        # The model fixes the rounding points, not the order of the fp32 sums. Where the sums
+        # cancel (adversarial probes), another order moves outputs by several ulps: the same
+        # emulation summed in another order shows how far, element by element, and that spread
+        # is allowed on top (it is nil wherever the order cannot matter, so a kernel that rounds
+        # at other points still fails there: truncated bf16 roundings left 25% beyond it).
+        other = expert_reference(*_fields(_reordered(p)), precision=precision).to(out.device)
+        spread = (other.double() - emulated.double()).abs()
+        within = float((gap <= tolerance + spread).double().mean()) if gap.numel() else 1.0
+        order_gap = relative_l2(other, emulated) / scale
+        order = f"plus the spread of the same emulation summed in another order ({order_gap:.3f})"
+    gap_ratio = gap_rel / scale
+    allowed_gap = FAITHFUL_GAP + order_gap
+    ok = within >= FAITHFUL_FRACTION and gap_ratio <= allowed_gap
+    ratio = max(_ratio(1 - within, 1 - FAITHFUL_FRACTION), gap_ratio / allowed_gap)
     text = (f"{within:.2%} of elements within one ulp of expert_reference(precision="
             f"{precision!r}), allowed >= {FAITHFUL_FRACTION:.0%}; rel L2 gap {gap_rel:.3g} = "
             f"{gap_ratio:.3f} of the emulation's own error {emulated_err:.3g}, allowed <= "
-            f"{FAITHFUL_GAP}")
+            f"{FAITHFUL_GAP} {order}")
     return Check("faithfulness", ok, ratio, text,
-                 {"within_one_ulp": within, "gap_ratio": gap_ratio, "emulated_rel_l2": emulated_err})
+                 {"within_one_ulp": within, "gap_ratio": gap_ratio, "emulated_rel_l2": emulated_err,
+                  "order_gap": order_gap})
+
+
+def _fields(problem: Problem) -> tuple:
+    return problem.x, problem.table, problem.weights, problem.config
 
 
 @torch.no_grad()  # a live layer's outputs and routes may carry autograd history

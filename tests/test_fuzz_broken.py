@@ -50,7 +50,8 @@ class Catch:
 
 
 CATCHES = {
-    "differential": Catch(f"{BROKEN}:drops_last_token", "error above the", "torch-bf16"),
+    "differential": Catch(f"{BROKEN}:drops_last_token", "FAILED on (bounds|baseline|faithfulness)",
+                          "torch-bf16"),
     "tie_rule": Catch(f"{BROKEN}:route_ties_to_higher_index", "ties must go to the lower index",
                       "magi_moe.routing:route"),
     "token_permutation": Catch(f"{BROKEN}:writes_one_row_late", "permuting tokens did not permute",
