@@ -26,9 +26,9 @@ first that fails decides; ``Verdict.text`` names it with the measured and the al
    subnormals), and the relative L2 gap at most ``FAITHFUL_GAP`` of the emulation's own error.
    Where sums cancel, the order alone moves outputs by several ulps (the swamp and cancel probes
    on the H200: 95-99% within one ulp, gaps 0.28-0.64): when the strict form fails, the same
-   emulation summed in another order is computed, and its distance from the first is allowed
-   on top, element by element and in the gap. (A kernel that truncated its bf16 roundings left
-   25% of elements beyond one ulp, and a gap of 2.0.)
+   emulation is summed in four other orders; elements any of them moves beyond one ulp are left
+   out of the count, and the gap may grow by twice the reordered emulations' own gap. (A kernel
+   that truncated its bf16 roundings left 25% of elements beyond one ulp, and a gap of 2.0.)
 
 Criteria 3 and the one-ulp form of 4 apply where the working dtype is coarser than the
 accumulator (bf16, fp16 inputs). With fp32 inputs the baseline's error and any kernel's are both
@@ -69,6 +69,11 @@ FAITHFUL_FRACTION = 0.99
 # tokens (1536 outputs), 0.000-0.004 under the interpreter at small widths; truncating the bf16
 # roundings instead gave 2.0.
 FAITHFUL_GAP = 0.25
+# Other summation orders tried when the strict one-ulp form fails: reversed, then permutations.
+# Each order shows some of the elements whose rounding the order can flip; with two, a CPU
+# proxy of the H200's order (a third, random order) kept 99.0-99.1% of the rest within one ulp
+# on the fp16 swamp probe, at the edge; with four, ORDER_SEEDS' margin (NOTES.md).
+ORDER_SEEDS = (None, 0, 1, 2)
 FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126, below which fp32 sums may flush to zero
 # What each precision model promises beyond its bounds: the reference precision it must be
 # faithful to, and how ("exact": bitwise; "ulp": the two statistics above).
@@ -213,15 +218,22 @@ def _baseline(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor) -> Check
     return Check("baseline", ratio <= 1.0, ratio, text, figures)
 
 
-def _reordered(problem: Problem) -> Problem:
-    """The same problem with both reductions read backwards: each head's ``Dh`` inputs (with
-    W_gate/W_up's rows) and the ``I`` intermediate units (W_gate/W_up's columns, W_down's rows).
-    Mathematically the same outputs in the same columns; in fp32, sums in another order."""
+def _reordered(problem: Problem, seed: int | None) -> Problem:
+    """The same problem with both reductions read in another order: each head's ``Dh`` inputs
+    (with W_gate/W_up's rows) and the ``I`` intermediate units (W_gate/W_up's columns, W_down's
+    rows), reversed (``seed`` None) or permuted. Mathematically the same outputs in the same
+    columns; in fp32, the sums in another order."""
     p, cfg = problem, problem.config
-    S, H, Dh = p.x.shape[0], cfg.num_heads, cfg.head_dim
+    S, H, Dh, I = p.x.shape[0], cfg.num_heads, cfg.head_dim, cfg.intermediate_size
+    if seed is None:
+        pd, pi = torch.arange(Dh - 1, -1, -1), torch.arange(I - 1, -1, -1)
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        pd, pi = torch.randperm(Dh, generator=gen), torch.randperm(I, generator=gen)
+    pd, pi = pd.to(p.x.device), pi.to(p.x.device)
     w = p.weights
-    x = p.x.view(S, H, Dh).flip(-1).reshape(S, H * Dh)
-    weights = type(w)(w.w_gate.flip(1, 2), w.w_up.flip(1, 2), w.w_down.flip(1))
+    x = p.x.view(S, H, Dh)[..., pd].reshape(S, H * Dh)
+    weights = type(w)(w.w_gate[:, pd][:, :, pi], w.w_up[:, pd][:, :, pi], w.w_down[:, pi])
     return dataclasses.replace(p, x=x, weights=weights)
 
 
@@ -244,20 +256,27 @@ def _faithfulness(out: torch.Tensor, problem: Problem, ref: torch.Tensor, precis
     scale = max(emulated_err, FP32.unit)  # (an emulation exact to fp32 noise: that noise instead)
     gap_rel = relative_l2(out, emulated)
     within = float((gap <= tolerance).double().mean()) if gap.numel() else 1.0
-    order_gap, order = 0.0, "no reordering needed"
+    order_gap, order, sensitive = 0.0, "no reordering needed", 0
     if within < FAITHFUL_FRACTION or gap_rel / scale > FAITHFUL_GAP:
-        # The model fixes the rounding points, not the order of the fp32 sums. Where the sums
-        # cancel (adversarial probes), another order moves outputs by several ulps: the same
-        # emulation summed in another order shows how far, element by element, and that spread
-        # is allowed on top (it is nil wherever the order cannot matter, so a kernel that rounds
-        # at other points still fails there: truncated bf16 roundings left 25% beyond it).
-        other = expert_reference(*_fields(_reordered(p)), precision=precision).to(out.device)
-        spread = (other.double() - emulated.double()).abs()
-        within = float((gap <= tolerance + spread).double().mean()) if gap.numel() else 1.0
-        order_gap = relative_l2(other, emulated) / scale
-        order = f"plus the spread of the same emulation summed in another order ({order_gap:.3f})"
+        # The model fixes the rounding points, not the order of the fp32 sums. Where sums
+        # cancel (the adversarial probes), the order alone moves outputs by several ulps. The
+        # same emulation summed in two other orders shows which elements the order can move
+        # beyond one ulp: the one-ulp count is taken over the others (a kernel rounding at other
+        # points fails there: truncated bf16 roundings left 25% beyond one ulp), and the gap may
+        # grow by twice the larger reordered emulation's own distance (two draws of one spread).
+        spread = torch.zeros_like(gap)
+        for seed in ORDER_SEEDS:
+            other = expert_reference(*_fields(_reordered(p, seed)), precision=precision)
+            other = other.to(out.device)
+            spread = torch.maximum(spread, (other.double() - emulated.double()).abs())
+            order_gap = max(order_gap, relative_l2(other, emulated) / scale)
+        steady = spread <= tolerance
+        sensitive = int((~steady).sum())
+        within = float((gap[steady] <= tolerance[steady]).double().mean()) if bool(steady.any()) else 1.0
+        order = (f"+ 2 x {order_gap:.3f} ({len(ORDER_SEEDS)} reordered emulations; {sensitive} of "
+                 f"{gap.numel()} elements move beyond one ulp with the order, not counted)")
     gap_ratio = gap_rel / scale
-    allowed_gap = FAITHFUL_GAP + order_gap
+    allowed_gap = FAITHFUL_GAP + 2 * order_gap
     ok = within >= FAITHFUL_FRACTION and gap_ratio <= allowed_gap
     ratio = max(_ratio(1 - within, 1 - FAITHFUL_FRACTION), gap_ratio / allowed_gap)
     text = (f"{within:.2%} of elements within one ulp of expert_reference(precision="
@@ -266,7 +285,7 @@ def _faithfulness(out: torch.Tensor, problem: Problem, ref: torch.Tensor, precis
             f"{FAITHFUL_GAP} {order}")
     return Check("faithfulness", ok, ratio, text,
                  {"within_one_ulp": within, "gap_ratio": gap_ratio, "emulated_rel_l2": emulated_err,
-                  "order_gap": order_gap})
+                  "order_gap": order_gap, "order_sensitive": sensitive})
 
 
 def _fields(problem: Problem) -> tuple:
