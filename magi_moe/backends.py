@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -19,11 +18,17 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-@lru_cache(maxsize=None)
+_TRITON_INSTALLED: bool | None = None
+
+
 def triton_installed() -> bool:
-    """Whether Triton can be imported (an installation does not change within a process; the
-    layer asks on every call)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether Triton can be imported. Looked up once: an installation does not change within a
+    process, and the layer asks on every call (a module global, not lru_cache, which dynamo
+    warns about when it traces the layer)."""
+    global _TRITON_INSTALLED
+    if _TRITON_INSTALLED is None:
+        _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 @dataclass(frozen=True)

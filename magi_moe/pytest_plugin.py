@@ -87,6 +87,10 @@ def pytest_configure(config):
                                        "backends only")
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skips cleanly without one)")
     config.addinivalue_line("markers", "interpret: runs Triton kernels under the CPU interpreter")
+    # The suite's own markers, for the installed tests (a checkout's pyproject.toml has them too).
+    config.addinivalue_line("markers", "slow: tens of seconds each; -m 'not slow' is the quick run")
+    config.addinivalue_line("markers", "serial: needs the GPU's memory to itself (run without xdist)")
+    config.addinivalue_line("markers", "benchmark: pytest-benchmark timing tests")
     config._magi_moe_tally = Tally(config)
     config.pluginmanager.register(config._magi_moe_tally, "magi_moe_tally")
 
