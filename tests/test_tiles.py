@@ -76,6 +76,18 @@ def test_a_tabled_gpu_gets_its_class_and_says_where_from(tmp_path):
     assert (routing.block_s, routing.warps, routing.block_d) == (16, 4, RoutingTiles().block_d)
 
 
+def test_a_rewritten_table_is_read_by_the_next_choice(tmp_path):
+    """Choices are cached per (config, class, GPU, table); writing the table (a sweep) must
+    drop them, or a benchmark run after the sweep in one process times the old tiles."""
+    path = _table(tmp_path)
+    cfg = preset("tiny")
+    before = gpu_tile_choice(cfg, 5 * cfg.num_banks, "NVIDIA TestGPU", path)
+    write_tile_table("TestGPU", [(10.0, FusedTiles(gu_block_n=16)), (None, FusedTiles())],
+                     note="rewritten", path=path)
+    after = gpu_tile_choice(cfg, 5 * cfg.num_banks, "NVIDIA TestGPU", path)
+    assert before.tiles.gu_block_n == 32 and after.tiles.gu_block_n == 16
+
+
 def test_an_untabled_gpu_falls_back_to_portable_tiles_with_one_warning(tmp_path):
     path = _table(tmp_path)
     cfg = preset("tiny")

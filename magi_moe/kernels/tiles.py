@@ -257,6 +257,7 @@ def write_tile_table(device_match: str, classes: list[tuple[float | None, FusedT
     load_device_entry.cache_clear()
     load_tile_table.cache_clear()
     choose_routing_tiles.cache_clear()
+    _tabled_choice.cache_clear()  # the choices read from the table just replaced
     return path
 
 
