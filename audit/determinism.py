@@ -14,16 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from magi_moe.problems import Problem, run_poisoned
+from magi_moe.problems import Problem, bit_pattern, run_poisoned  # noqa: F401 (bit_pattern re-exported)
 from magi_moe.registry import Implementation
-
-_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bit_pattern(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bits as integers of the same width (NaN payloads and -0.0 compare exactly)."""
-    return t.contiguous().view(_INT_VIEW[t.element_size()])
-
 
 class BackgroundLoad:
     """Concurrent bf16 matmuls on a side stream while the audited implementation runs (CUDA)."""

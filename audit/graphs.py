@@ -24,6 +24,7 @@ from typing import Callable, Mapping
 import torch
 
 from magi_moe.config import MoEConfig
+from magi_moe.cuda_graphs import capture as capture_call
 
 from .cache import draw_state, layer_output_ok
 
@@ -116,15 +117,11 @@ def fresh(config: MoEConfig, layer, x: torch.Tensor, y: torch.Tensor) -> tuple[b
 def _capture(layer, x: torch.Tensor):
     """Warm up on a side stream (as torch.cuda.graphs asks), then capture ``y = layer(x)``;
     returns ``replay() -> y``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(2):
-            layer(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        y = layer(x)
+    def forward():
+        with torch.no_grad():
+            return layer(x)
+
+    graph, y = capture_call(forward, warmup=2)
 
     def replay():
         graph.replay()

@@ -81,6 +81,19 @@ def run_poisoned(impl: Implementation, problem: Problem) -> torch.Tensor:
     return out
 
 
+_INT_VIEW = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers of the same width (NaN payloads and -0.0 compare exactly)."""
+    return t.contiguous().view(_INT_VIEW[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape and dtype, and bit for bit the same values."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bit_pattern(a), bit_pattern(b))
+
+
 def relative_l2(result: torch.Tensor, reference: torch.Tensor) -> float:
     ref = reference.detach().double()
     denom = ref.norm()

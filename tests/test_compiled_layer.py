@@ -13,6 +13,7 @@ import torch
 from magi_moe.backends import BACKENDS
 from magi_moe.config import preset
 from magi_moe.layer import MagiMoE
+from magi_moe.problems import same_bits
 from magi_moe.weights import random_weights
 
 
@@ -31,10 +32,6 @@ def _tokens(config, n, device, seed):
     return torch.randn(n, config.hidden_size, generator=gen).to(config.dtype).to(device)
 
 
-def _bits_equal(a, b) -> bool:
-    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
-
-
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
@@ -51,7 +48,7 @@ def test_fused_layer_compiles_as_one_graph_on_the_interpreter():
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
     for seed, n in ((1, 40), (2, 40), (3, 17)):
         x = _tokens(cfg, n, "cpu", seed)
-        assert _bits_equal(compiled(x), layer(x)), f"compiled != eager for {n} tokens"
+        assert same_bits(compiled(x), layer(x)), f"compiled != eager for {n} tokens"
 
 
 @pytest.mark.cuda
@@ -68,7 +65,7 @@ def test_compiled_fused_layer_replays_one_cuda_graph(mode, config_name):
     compiled = torch.compile(layer, mode=mode, fullgraph=True)
     xs = [_tokens(cfg, 512, "cuda", seed) for seed in range(4)]
     for x in xs:  # warm-up, recording, then replays
-        assert _bits_equal(compiled(x), layer(x))
+        assert same_bits(compiled(x), layer(x))
     assert not counters["graph_break"], dict(counters["graph_break"])
     if mode == "reduce-overhead":
         assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
@@ -77,8 +74,8 @@ def test_compiled_fused_layer_replays_one_cuda_graph(mode, config_name):
             torch.cuda.synchronize()
         names = {e.key for e in prof.key_averages()}
         assert "cudaGraphLaunch" in names, f"no CUDA graph replay seen: {sorted(names)[:40]}"
-        assert _bits_equal(y, layer(xs[0]))
+        assert same_bits(y, layer(xs[0]))
         # An in-place weight change keeps the storage: the replay reads the new values.
         with torch.no_grad():
             layer.W_down.mul_(0.5)
-        assert _bits_equal(compiled(xs[1]), layer(xs[1])), "replay after W_down.mul_ is stale"
+        assert same_bits(compiled(xs[1]), layer(xs[1])), "replay after W_down.mul_ is stale"

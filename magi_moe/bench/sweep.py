@@ -11,7 +11,7 @@ from dataclasses import asdict
 
 import torch
 
-from ..problems import Problem
+from ..problems import Problem, same_bits
 from .cases import BenchCase, draw_problem
 from .timing import time_one
 
@@ -68,7 +68,7 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Bit for bit, no NaN: a candidate must give the reference candidate's result exactly, so
     that the tiles a problem gets (its route counts, head count, device) never change a
     token's output. Expert parallelism's bitwise promise rests on this (NOTES-perf.md)."""
-    return not bool(torch.isnan(got).any()) and torch.equal(got, want)
+    return not bool(torch.isnan(got).any()) and same_bits(got, want)
 
 
 def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,

@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from ..cuda_graphs import capture
+from ..problems import same_bits
 from .cases import BenchCase, draw_problem, floors
 from .paths import ROUTING_PATHS, make_paths, parity
 
@@ -69,15 +71,7 @@ def graph_paths(fns: dict[str, Callable[[], object]], layers: dict[str, torch.nn
     failed: dict[str, str] = {}
     for name, fn in fns.items():
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(3):  # warm: compiled kernels, grown workspaces
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fn()
+            graph, _ = capture(fn, warmup=3)
             made[f"{name} graph"] = graph.replay
         except Exception as exc:  # noqa: BLE001 -- reported in the JSON and the table's notes
             failed[f"{name} graph"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -116,7 +110,7 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
                 want = want.clone()
                 got = fn()
                 got = got if isinstance(got, torch.Tensor) else None
-                checks[name] = {"bitwise_equal_eager": got is None or bool(torch.equal(got, want))}
+                checks[name] = {"bitwise_equal_eager": got is None or same_bits(got, want)}
         fns = {**fns, **made}
     best: dict[str, dict] = {}
     for _ in range(rounds):
