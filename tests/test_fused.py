@@ -603,13 +603,18 @@ def test_every_launch_plan_gives_the_same_bits(config_name, tokens):
     classes = [t.fitted(cfg) for _, t in (load_tile_table(torch.cuda.get_device_name()) or [])]
     two = two_kernel_tiles(dataclasses.replace(tabled, gu_variant="mlp_tma"), cfg)
     plans = {f"class {i}": t for i, t in enumerate(classes)}
+    one = dataclasses.replace(tabled, gu_variant="mlp_tma", gu_block_k=cfg.head_dim)
     plans.update({
         "portable": PORTABLE_TILES.fitted(cfg),
-        "one kernel bm64": dataclasses.replace(tabled, gu_variant="mlp_tma", block_m=64, gu_warps=4,
-                                               gu_block_k=cfg.head_dim).fitted(cfg),
+        "one kernel bm64": dataclasses.replace(one, block_m=64, gu_warps=4).fitted(cfg),
+        "one kernel bn16": dataclasses.replace(one, gu_block_n=16, gu_stages=4).fitted(cfg),
+        "one kernel 2 stages": dataclasses.replace(one, gu_stages=2).fitted(cfg),
         "two kernels": two,
+        "two kernels bm64 bk32": dataclasses.replace(two, block_m=64, gu_block_k=32, gu_warps=4,
+                                                     down_warps=4),
         "two kernels, descriptors": dataclasses.replace(two, gu_variant="tma_gathered",
                                                         down_variant="tma"),
+        "two kernels, weight descriptors": dataclasses.replace(two, gu_variant="tma"),
     })
     want = _forward_with(problem, tabled)
     assert not torch.isnan(want).any()
