@@ -257,7 +257,6 @@ def write_tile_table(device_match: str, classes: list[tuple[float | None, FusedT
     load_device_entry.cache_clear()
     load_tile_table.cache_clear()
     choose_routing_tiles.cache_clear()
-    _tabled_choice.cache_clear()  # the choices read from the table just replaced
     return path
 
 
@@ -333,16 +332,9 @@ def gpu_tile_choice(config: MoEConfig, num_routes: int, device_name: str,
                    f"python -m magi_moe.bench --sweep --write-tiles tables this GPU")
         return choice
     per_bank = num_routes / max(config.num_banks, 1)
-    edge = next((e for e, _ in classes if per_bank <= e), classes[-1][0])
-    return _tabled_choice(config, edge, device_name, path)
-
-
-@lru_cache(maxsize=1024)  # one per (config, class, GPU, table): asked on every call
-def _tabled_choice(config: MoEConfig, edge: float, device_name: str, path: Path) -> TileChoice:
-    classes = load_tile_table(device_name, path)
+    edge, tiles = next(((e, t) for e, t in classes if per_bank <= e), classes[-1])
     match = load_device_entry(device_name, path)["match"]
-    tiles = next(t for e, t in classes if e == edge)
-    return TileChoice(tiles.fitted(config), "table", path, match, edge)
+    return TileChoice(tiles.fitted(config), "table", path, match, edge)  # fitted: cached
 
 
 def choose_fused_tiles(config: MoEConfig, num_routes: int, device: torch.device) -> FusedTiles:
