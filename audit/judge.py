@@ -218,7 +218,7 @@ def _baseline(out: torch.Tensor, ref: torch.Tensor, base: torch.Tensor) -> Check
     return Check("baseline", ratio <= 1.0, ratio, text, figures)
 
 
-def _reordered(problem: Problem, seed: int | None) -> Problem:
+def reordered_problem(problem: Problem, seed: int | None) -> Problem:
     """The same problem with both reductions read in another order: each head's ``Dh`` inputs
     (with W_gate/W_up's rows) and the ``I`` intermediate units (W_gate/W_up's columns, W_down's
     rows), reversed (``seed`` None) or permuted. Mathematically the same outputs in the same
@@ -266,7 +266,7 @@ def _faithfulness(out: torch.Tensor, problem: Problem, ref: torch.Tensor, precis
         # grow by twice the larger reordered emulation's own distance (two draws of one spread).
         spread = torch.zeros_like(gap)
         for seed in ORDER_SEEDS:
-            other = expert_reference(*_fields(_reordered(p, seed)), precision=precision)
+            other = expert_reference(*_fields(reordered_problem(p, seed)), precision=precision)
             other = other.to(out.device)
             spread = torch.maximum(spread, (other.double() - emulated.double()).abs())
             order_gap = max(order_gap, relative_l2(other, emulated) / scale)

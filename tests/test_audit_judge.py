@@ -155,24 +155,17 @@ def test_another_summation_order_is_faithful_where_sums_cancel(probe, dtype):
     summed in an order the judge does not try itself (a kernel's, as far as the CPU can show
     one) passes on the cancelling probes, where the strict one-ulp form alone failed it (the
     H200's kernels: 95-99% within one ulp)."""
-    import dataclasses
-
+    from magi_moe.audit.judge import ORDER_SEEDS, reordered_problem
     from magi_moe.audit.probes import probe_problem
     from magi_moe.reference import expert_reference
 
     p = probe_problem(probe, preset("small").replace(dtype=dtype), 64, seed=3, device="cpu")
-    cfg, gen = p.config, torch.Generator().manual_seed(99)
-    S, H, Dh = p.x.shape[0], cfg.num_heads, cfg.head_dim
-    pd, pi = torch.randperm(Dh, generator=gen), torch.randperm(cfg.intermediate_size, generator=gen)
-    w = p.weights
-    q = dataclasses.replace(p, x=p.x.view(S, H, Dh)[..., pd].reshape(S, H * Dh),
-                            weights=type(w)(w.w_gate[:, pd][:, :, pi], w.w_up[:, pd][:, :, pi],
-                                            w.w_down[:, pi]))
+    assert 99 not in ORDER_SEEDS, "an order the judge tries itself would prove nothing"
+    q = reordered_problem(p, 99)
     out = expert_reference(q.x, q.table, q.weights, q.config, precision="fp32acc")
     v = judge(out, p, "bf16-fp32acc")
     assert v.ok, v.text
     assert v.check("faithfulness").figures["order_gap"] > 0, "the probe should be order-sensitive"
-
 
 
 def _tensor_core_like(p):
