@@ -327,6 +327,22 @@ def test_workspace_is_reused_once_warm(device):
     assert ws.allocations > warm
 
 
+
+def test_a_captured_workspace_keeps_the_buffers_it_replaces():
+    """Once a CUDA graph captured calls on a workspace (``note_capture``), a replay may still
+    write its buffers: growing one must keep the old allocation alive, never hand it back to
+    the allocator (CONTRACT 8b). Before any capture, a grown buffer is let go."""
+    ws = FusedWorkspace("cpu")
+    first = ws.get("rows", (8, 4), torch.float32)
+    ws.get("rows", (64, 4), torch.float32)
+    assert ws._retired == [], "nothing captured yet: the old buffer may be freed"
+    ws.captured = True  # what note_capture records while a CUDA graph is capturing
+    captured = ws.get("rows", (64, 4), torch.float32)
+    ws.get("rows", (512, 4), torch.float32)
+    assert any(t.data_ptr() == captured.data_ptr() for t in ws._retired), \
+        "a buffer a graph may replay into was released"
+    assert first.data_ptr() != captured.data_ptr()
+
 # (id, make the bad call's arguments from a valid problem, message pattern); all ValueError
 BAD_ARGUMENTS = [
     pytest.param(lambda p: (p.x.float(), p.table, p.weights, p.config), {}, "x must have dtype",

@@ -146,6 +146,36 @@ def test_bad_names_are_refused_with_the_reason(spec, message):
         get_implementation(spec)
 
 
+@pytest.mark.parametrize("field,value,message", [
+    ("router", "magi_moe.routing:route", "router must be callable or None, got str"),
+    ("layer_forward", 3, "layer_forward must be callable or None, got int"),
+    ("launcher", "magi_moe.kernels.native:launch_native", "launcher must be a RowLauncher or None"),
+])
+def test_bad_declarations_are_refused_naming_the_field(field, value, message):
+    from magi_moe.implementation import Implementation
+
+    with pytest.raises(ValueError, match=message):
+        Implementation("bad-declaration", lambda *a, **k: None, ("cpu",), "bf16-plain",
+                       **{field: value})
+
+
+def test_a_declared_router_is_what_route_calls():
+    from magi_moe.implementation import Implementation
+    from magi_moe.routing import route
+
+    calls = []
+
+    def router(x, gate, bias, config):
+        calls.append(x.shape)
+        return route(x, gate, bias, config)
+
+    impl = Implementation("own-router", lambda *a, **k: None, ("cpu",), "bf16-plain", router=router)
+    problem = random_problem(preset("tiny"), 12, seed=35)
+    got = impl.route(problem.x, problem.gate, problem.bias, problem.config)
+    assert calls == [problem.x.shape]
+    assert torch.equal(got.expert_ids, problem.routes.expert_ids)
+
+
 def test_entry_point_is_found_by_name(plugin_dir, monkeypatch):
     monkeypatch.syspath_prepend(str(plugin_dir))
     assert "einsum-plugin" in plugins.entry_point_names()
