@@ -59,3 +59,36 @@ def test_merge_replaces_only_the_class_the_swept_case_falls_in(tmp_path):
     assert merged[2][1] == new
     assert load_tile_table("TestGPU", path)[2][1].gu_variant == "kloop"  # nothing written yet
     assert merged_classes([(5.0, new)], "another GPU", path=path) is None
+
+
+MIXED = (("block_m", 128), ("block_m_small", 64), ("gu_variant", "mlp_tma"), ("gu_block_n", 32))
+
+
+def test_a_one_kernel_only_sweep_chooses_among_its_candidates():
+    """``--sweep-kernels mlp``: no gate/up or down timed, so the one-kernel candidates (a mixed
+    schedule among them) compete alone; with none left, a clear error."""
+    sweeps = [_sweep({}, {}, {MLP: 1.0, MIXED: 0.9}), _sweep({}, {}, {MLP: 2.0, MIXED: 1.9})]
+    tiles = best_tiles(sweeps)
+    assert (tiles.block_m, tiles.block_m_small, tiles.gu_variant) == (128, 64, "mlp_tma")
+    with pytest.raises(ValueError, match="no expert-kernel candidate"):
+        best_tiles([_sweep({}, {}, {MLP: None})])
+
+
+@pytest.mark.parametrize("kernels, message", [("mlp,bogus", "must be among"),
+                                              ("down", "add gate_up")])
+def test_sweep_kernels_are_checked(kernels, message, capsys):
+    from magi_moe.bench.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--sweep", "--sweep-kernels", kernels, "--device", "cuda"])
+    assert message in capsys.readouterr().err
+
+
+def test_sweep_kernels_always_include_the_sum():
+    from magi_moe.bench.__main__ import parse_args
+
+    try:
+        args = parse_args(["--sweep", "--sweep-kernels", "mlp", "--device", "cpu"])
+    except SystemExit:
+        pytest.skip("--device cpu needs TRITON_INTERPRET=1 set before the run")
+    assert args.sweep_kernels == ("mlp", "sum")

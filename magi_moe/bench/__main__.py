@@ -37,7 +37,7 @@ import torch
 from ..text_tables import format_table as text_table
 from .cases import ANCHOR_CASES, COPY_GBPS, DRAWS, MATMUL_TFLOPS, BenchCase, draw_problem
 from .paths import ALL_PATHS, DEFAULT_PATHS
-from .sweep import breakdown_case, run_sweep
+from .sweep import SWEPT_KERNELS, breakdown_case, run_sweep
 from .timing import run_case
 
 
@@ -135,6 +135,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep", action="store_true", help="sweep the fused kernels' tiles first")
     ap.add_argument("--write-tiles", action="store_true", help="with --sweep: update tiles/fused.json")
     ap.add_argument("--sweep-only", action="store_true", help="with --sweep: no benchmark after it")
+    ap.add_argument("--sweep-kernels", default=",".join(SWEPT_KERNELS),
+                    help=f"with --sweep: the kernels whose candidates are timed, among "
+                         f"{','.join(SWEPT_KERNELS)} (default all; down needs gate_up, and the "
+                         f"top-k sum is always swept: a table entry needs its tiles)")
     ap.add_argument("--merge-tiles", action="store_true",
                     help="with --write-tiles: replace only the tabled classes the swept cases fall in")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
@@ -151,6 +155,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.draws = tuple(d for d in args.draw.split(",") if d)
     if not args.draws or any(d not in DRAWS for d in args.draws):
         ap.error(f"--draw must be among {','.join(DRAWS)}, got {args.draw!r}")
+    args.sweep_kernels = tuple(k for k in args.sweep_kernels.split(",") if k)
+    if any(k not in SWEPT_KERNELS for k in args.sweep_kernels):
+        ap.error(f"--sweep-kernels must be among {','.join(SWEPT_KERNELS)}, got {args.sweep_kernels}")
+    if "down" in args.sweep_kernels and "gate_up" not in args.sweep_kernels:
+        ap.error("--sweep-kernels: down reads the activations gate_up writes; add gate_up")
+    args.sweep_kernels = tuple(dict.fromkeys(args.sweep_kernels + ("sum",)))
     args.paths = tuple(p for p in args.paths.split(",") if p)
     bad = [p for p in args.paths if p not in ALL_PATHS]
     if bad:
@@ -177,7 +187,7 @@ def main(argv=None) -> int:
     if args.sweep:
         report["sweep"] = run_sweep(cases, device=device, warmup=3, iters=max(5, args.iters // 5),
                                     flush_mib=args.flush_mib, write=args.write_tiles,
-                                    merge=args.merge_tiles)
+                                    merge=args.merge_tiles, kernels=args.sweep_kernels)
         print(json.dumps({k: report["sweep"][k] for k in ("classes", "routing")}, indent=1), flush=True)
     if args.breakdown:
         report["breakdown"] = {}

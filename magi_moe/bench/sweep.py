@@ -21,9 +21,9 @@ from .timing import time_one
 # Earlier versions (NOTES-perf.md) also tried flattened loops, "wide" kernels that loaded a
 # block's x rows once (pointer and descriptor forms), BK=16, 64x256 tiles, register caps and
 # Triton's warp specialisation (wrong outputs on Triton 3.6): slower or wrong, dropped.
-def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr"):
+def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr", small=0):
     tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_block_k=bk, gu_warps=warps,
-                 gu_stages=stages, gu_act_store=act)
+                 gu_stages=stages, gu_act_store=act, **({"block_m_small": small} if small else {}))
     return [{**tiles, "gu_programs_per_sm": p} for p in ppsm]
 
 
@@ -53,6 +53,12 @@ MLP_CANDIDATES = tuple(c for group in (
     # two warpgroups, one per 64 rows: the activation stays in the warpgroup that made it
     _gu("mlp_tma", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,)),
     _gu("mlp_tma", 128, 16, 256, 8, 4, (1,)),
+    # a mixed schedule: BM=128 blocks for busy banks, one small block for each bank's rest
+    # (kernels/schedule.py), so weights stream once per 128 routes while rests pad to 64 or 32
+    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=64), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,), small=64),
+    _gu("mlp_tma", 128, 16, 256, 8, 4, (1,), small=64), _gu("mlp_tma", 128, 16, 256, 8, 3, (1,), small=64),
+    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=32),
+    _gu("mlp_tma", 64, 16, 256, 4, 3, (2,), small=32),
 ) for c in group)
 DOWN_CANDIDATES = tuple(c for group in (
     _dn(64, 128, 64, 4, 4, (2,)), _dn(128, 256, 64, 8, 3, (1,)),
@@ -71,13 +77,17 @@ def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     return not bool(torch.isnan(got).any()) and same_bits(got, want)
 
 
+SWEPT_KERNELS = ("gate_up", "down", "mlp", "sum", "routing")
+
+
 def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
-               routing: bool = True) -> dict:
-    """Median ms of every candidate of each fused kernel on this problem. Each candidate's
-    output is checked against the first candidate of its block size (NaN-poisoned first); a
-    candidate that fails to compile, launch or agree, or whose launch plan falls back to
-    another kernel here (timing a launch that did not happen would look fast), is recorded with
-    ``ms: None``."""
+               routing: bool = True, kernels: tuple[str, ...] = SWEPT_KERNELS) -> dict:
+    """Median ms of every candidate of each fused kernel in ``kernels`` on this problem. Each
+    gate/up candidate's activations are checked against the first candidate of its block
+    schedule, and every candidate's expert rows against the first rows made (any schedule:
+    the bits must not depend on the tiles); all NaN-poisoned first. A candidate that fails to
+    compile, launch or agree, or whose launch plan falls back to another kernel here (timing a
+    launch that did not happen would look fast), is recorded with ``ms: None``."""
     from ..kernels import fused_routing as FR
     from ..kernels import fused_tma as T
     from ..kernels import plan as P
@@ -123,11 +133,24 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         part = plan.only(*kernels)
         return lambda: run_plan(part, call)
 
-    for bm in sorted({c["block_m"] for c in GATE_UP_CANDIDATES}):
-        sched = launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws)
-        results["schedule"][bm] = time_one(
-            lambda: launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws), **timing)
-        live = int(sched.block_count) * bm
+    def schedule_of(c):
+        return c["block_m"], c.get("block_m_small", 0)
+
+    def chosen(candidates, kernel):
+        return [c for c in candidates if kernel in kernels and schedule_of(c) == key]
+
+    want_rows = None
+    for key in sorted({schedule_of(c) for c in GATE_UP_CANDIDATES + DOWN_CANDIDATES
+                       + MLP_CANDIDATES}):
+        bm, small = key
+        if not any(chosen(c, k) for c, k in ((GATE_UP_CANDIDATES, "gate_up"),
+                                            (DOWN_CANDIDATES, "down"), (MLP_CANDIDATES, "mlp"))):
+            continue
+        sched = launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws, small_m=small)
+        results["schedule"][f"{bm}/{small}" if small else bm] = time_one(
+            lambda: launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws, small_m=small),
+            **timing)
+        live = int(sched.block_count[0]) * bm
         xg = ws.get("x_gathered", (sched.max_blocks * bm, cfg.head_dim), problem.x.dtype)
         results["gather"][bm] = time_one(  # part of every "tma_gathered" time: shown apart
             lambda: T.launch_gather_rows(problem.x, table, sched, xg, cfg), **timing)
@@ -135,7 +158,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                           device=device)
         call = FusedCall(problem.x, table, packed, cfg, ws, sched, rows, slot_route, out, act)
         want_act = None
-        for cand in (c for c in GATE_UP_CANDIDATES if c["block_m"] == bm):
+        for cand in chosen(GATE_UP_CANDIDATES, "gate_up"):
             tiles = FusedTiles(**cand).fitted(cfg)
             launch = None
 
@@ -153,8 +176,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                     want_act = act[:live].clone()
                 return _same_bits(act[:live], want_act) and _same_bits(got, want_act)
             attempt("gate_up", cand, gate_up, check)
-        want_rows = None
-        for cand in (c for c in DOWN_CANDIDATES if c["block_m"] == bm):
+        for cand in chosen(DOWN_CANDIDATES, "down"):
             tiles = FusedTiles(**cand).fitted(cfg)
             launch = None
 
@@ -171,7 +193,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                     want_rows = rows.clone()
                 return _same_bits(rows, want_rows)
             attempt("down", cand, down, check)
-        for cand in (c for c in MLP_CANDIDATES if c["block_m"] == bm):
+        for cand in chosen(MLP_CANDIDATES, "mlp"):
             tiles = FusedTiles(**cand).fitted(cfg)
             launch = None
 
@@ -181,16 +203,19 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                 launch()
 
             def check():
+                nonlocal want_rows
                 rows.fill_(float("nan"))
                 mlp()
-                return want_rows is not None and _same_bits(rows, want_rows)
+                if want_rows is None:
+                    want_rows = rows.clone()
+                return _same_bits(rows, want_rows)
             attempt("mlp", cand, mlp, check)
-    for bt, warps in SUM_CANDIDATES:
+    for bt, warps in (SUM_CANDIDATES if "sum" in kernels else ()):
         tiles = FusedTiles(sum_block_t=bt, sum_warps=warps)
         attempt("sum", {"sum_block_t": bt, "sum_warps": warps},
                 steps(call, tiles, P.TOPK_SUM), lambda: True)
     want_ids = None
-    for bs, bd, warps, pwarps in (ROUTING_CANDIDATES if routing else ()):
+    for bs, bd, warps, pwarps in (ROUTING_CANDIDATES if routing and "routing" in kernels else ()):
         rt = RoutingTiles(block_s=bs, block_d=bd, warps=warps, place_warps=pwarps)
 
         def route_once():
@@ -254,8 +279,10 @@ def best_tiles(sweeps: list[dict]):
             best = (total, g, d)
     for m in mlp:  # one kernel for both GEMMs: its time against the best pair's
         total = sum(_ms(s, "mlp", m) for s in sweeps)
-        if total < best[0]:
+        if best is None or total < best[0]:
             best = (total, m, ())
+    if best is None:
+        raise ValueError("no expert-kernel candidate ran in every case: nothing to choose")
     _, g, d = best
     st = min((v, k) for k, v in sm.items())[1]
     return FusedTiles(**{**dict(g), **dict(d), **dict(st)})
@@ -283,7 +310,8 @@ def merged_classes(swept: list[tuple[float, object]], device_name: str, path=Non
 
 
 def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iters: int,
-              flush_mib: int, write: bool, merge: bool = False) -> dict:
+              flush_mib: int, write: bool, merge: bool = False,
+              kernels: tuple[str, ...] = SWEPT_KERNELS) -> dict:
     """Sweep every case, group the cases by routes per bank, write the winners per group
     (``merge``: into the tabled classes they fall in, keeping the rest of the table)."""
     from ..kernels.tiles import load_device_entry, write_tile_table
@@ -294,7 +322,8 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
         t0 = time.time()
         per_case[case.label] = {"routes_per_bank": problem.table.num_routes / problem.config.num_banks,
                                 "sweep": sweep_case(problem, warmup=warmup, iters=iters,
-                                                    flush_mib=flush_mib, routing=not merge)}
+                                                    flush_mib=flush_mib, routing=not merge,
+                                                    kernels=kernels)}
         print(f"swept {case.label} in {time.time() - t0:.1f} s", flush=True)
         del problem
     # Classes: cases with the same routes per bank share tiles; edges at geometric midpoints.
@@ -306,21 +335,26 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
     for i, c in enumerate(centres):
         edge = math.sqrt(c * centres[i + 1]) if i + 1 < len(centres) else None
         classes.append((edge, best_tiles(groups[c])))
-    routing = best_routing([e["sweep"] for e in per_case.values()]) if not merge else None
+    routing = (best_routing([e["sweep"] for e in per_case.values()])
+               if not merge and "routing" in kernels else None)
     if merge and device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         tabled = merged_classes([(c, best_tiles(groups[c])) for c in centres], name)
         if tabled is not None:
             classes = [(None if math.isinf(edge) else edge, tiles) for edge, tiles in tabled]
             routing = (load_device_entry(name) or {}).get("routing", routing)
+    if routing is None and device.type == "cuda":  # routing not swept: keep the tabled tiles
+        routing = (load_device_entry(torch.cuda.get_device_name(device)) or {}).get("routing")
     summary = {"per_case": per_case, "routing": routing,
                "classes": [{"max_routes_per_bank": e, "tiles": asdict(t)} for e, t in classes]}
     if write and device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         match = "H200" if "H200" in name else name
         path = write_tile_table(match, classes, routing=routing,
-                                note=f"swept on {name} by magi_moe.bench --sweep, "
-                                     f"{time.strftime('%Y-%m-%d')}")
+                                note=f"swept on {name} by magi_moe.bench --sweep "
+                                     f"(kernels {','.join(kernels)}), {time.strftime('%Y-%m-%d')}"
+                                     + ("" if "routing" in kernels and not merge
+                                        else "; routing tiles kept from the previous entry"))
         summary["written"] = str(path)
     return summary
 

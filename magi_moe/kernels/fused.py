@@ -298,7 +298,8 @@ def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
     args = (c.x, *descs, c.table.gather_ids, c.table.sorted_probs, c.table.route_slots,
             c.table.offsets, sched.block_bank, sched.block_start, sched.block_count,
             c.rows, c.slot_route, c.x.stride(0), c.rows.stride(0), c.config.num_experts)
-    meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
+    meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m,
+                SMALL_M=tiles.block_m_small, BLOCK_N=bn,
                 ACT_DTYPE=_TL_DTYPES[w.w_down.dtype], UPCAST=upcast,
                 DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
                 **_register_cap(tiles.gu_maxnreg))
@@ -476,11 +477,13 @@ def _call_schedule(table: RouteTable, config: MoEConfig, tiles: FusedTiles,
     if R == 0:
         return None
     if schedule is None:
-        return schedule_buffers(workspace, R, config.num_banks, tiles.block_m)
-    if schedule.block_m != tiles.block_m:
+        return schedule_buffers(workspace, R, config.num_banks, tiles.block_m,
+                                tiles.block_m_small)
+    if (schedule.block_m, schedule.small_m) != (tiles.block_m, tiles.block_m_small):
         raise ValueError(f"schedule was built for block_m={schedule.block_m}, "
-                         f"tiles use {tiles.block_m}")
-    want = max_blocks(R, config.num_banks, tiles.block_m)
+                         f"block_m_small={schedule.small_m}; tiles use {tiles.block_m}, "
+                         f"{tiles.block_m_small}")
+    want = max_blocks(R, config.num_banks, tiles.block_m, tiles.block_m_small)
     if schedule.max_blocks != want:
         raise ValueError(f"schedule has {schedule.max_blocks} blocks; a table of {R} routes over "
                          f"{config.num_banks} banks needs {want}")

@@ -162,11 +162,12 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
     reasons: list[str] = []
     steps: list[LaunchStep] = []
     act_rows = 0
-    nb = max_blocks(num_routes, config.num_banks, tiles.block_m) if num_routes else 0
+    nb = (max_blocks(num_routes, config.num_banks, tiles.block_m, tiles.block_m_small)
+          if num_routes else 0)
     if num_routes:
         if not schedule_built:
             steps.append(LaunchStep(SCHEDULE, schedule_programs(
-                num_routes, config.num_banks, tiles.block_m, facts), tiles))
+                num_routes, config.num_banks, tiles.block_m, facts, tiles.block_m_small), tiles))
         expert = tiles
         if tiles.gu_variant == "mlp_tma":
             one = LaunchStep(EXPERT_MLP, persistent_grid(nb, tiles.gu_programs_per_sm, facts), tiles)

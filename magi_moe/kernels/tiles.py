@@ -68,6 +68,10 @@ class FusedTiles:
     """Block shapes of the three expert kernels. ``block_m`` is shared: it sets the padding."""
 
     block_m: int = 64
+    # 0, or the rows of a bank's last block when the rest of its routes fits them (a mixed
+    # schedule, kernels/schedule.py): busy banks read their weights once per block_m rows
+    # while the rests pad only to block_m_small. A power of two in 16..block_m/2.
+    block_m_small: int = 0
     gu_block_n: int = 64
     gu_block_k: int = 64
     gu_warps: int = 4
@@ -97,6 +101,11 @@ class FusedTiles:
         for name in ("gu_stages", "down_stages", "gu_programs_per_sm", "down_programs_per_sm"):
             _check_int("FusedTiles", name, getattr(self, name))
         _check_int("FusedTiles", "gu_maxnreg", self.gu_maxnreg, minimum=0)
+        small = self.block_m_small
+        if small and (isinstance(small, bool) or not isinstance(small, int) or small & (small - 1)
+                      or not 16 <= small <= self.block_m // 2):
+            raise ValueError(f"FusedTiles.block_m_small must be 0 or a power of two in "
+                             f"16..block_m/2 = {self.block_m // 2}, got {small!r}")
         _check_choice("FusedTiles", "gu_variant", self.gu_variant, GATE_UP_VARIANTS)
         _check_choice("FusedTiles", "gu_act_store", self.gu_act_store, ACT_STORES)
         _check_choice("FusedTiles", "down_variant", self.down_variant, DOWN_VARIANTS)
@@ -142,7 +151,8 @@ def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
     if tiles.gu_variant != "mlp_tma":
         return tiles
     warps = 8 if tiles.block_m >= 128 else 4
-    return replace(PORTABLE_TILES, block_m=tiles.block_m, gu_warps=warps, down_warps=warps,
+    return replace(PORTABLE_TILES, block_m=tiles.block_m, block_m_small=tiles.block_m_small,
+                   gu_warps=warps, down_warps=warps,
                    sum_block_t=tiles.sum_block_t, sum_warps=tiles.sum_warps).fitted(config)
 
 
