@@ -325,7 +325,9 @@ def test_a_mixed_schedule_gives_the_bits_of_one_block_size(device):
     rest = counts % big
     assert bool(((rest > 0) & (rest <= big // 2)).any()) and bool((rest > big // 2).any()), \
         "the problem must have banks of both kinds"
-    assert _plan(problem, mixed).kernels[1] == "expert_mlp_tma_kernel"
+    plan = _plan(problem, mixed)
+    assert [(s.kernel, s.blocks, s.tiles.block_m) for s in plan.steps[1:3]] == [
+        ("expert_mlp_tma_kernel", "big", big), ("expert_mlp_tma_kernel", "small", big // 2)]
     want = _forward_with(problem, plain)
     assert not torch.isnan(want).any()
     assert torch.equal(_forward_with(problem, mixed).view(torch.int16), want.view(torch.int16))

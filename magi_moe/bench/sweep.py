@@ -21,9 +21,10 @@ from .timing import time_one
 # Earlier versions (NOTES-perf.md) also tried flattened loops, "wide" kernels that loaded a
 # block's x rows once (pointer and descriptor forms), BK=16, 64x256 tiles, register caps and
 # Triton's warp specialisation (wrong outputs on Triton 3.6): slower or wrong, dropped.
-def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr", small=0):
+def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr", small=0, **small_tiles):
     tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_block_k=bk, gu_warps=warps,
-                 gu_stages=stages, gu_act_store=act, **({"block_m_small": small} if small else {}))
+                 gu_stages=stages, gu_act_store=act,
+                 **({"block_m_small": small, **small_tiles} if small else {}))
     return [{**tiles, "gu_programs_per_sm": p} for p in ppsm]
 
 
@@ -54,9 +55,11 @@ MLP_CANDIDATES = tuple(c for group in (
     _gu("mlp_tma", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,)),
     _gu("mlp_tma", 128, 16, 256, 8, 4, (1,)),
     # a mixed schedule: BM=128 blocks for busy banks, one small block for each bank's rest
-    # (kernels/schedule.py), so weights stream once per 128 routes while rests pad to 64 or 32
-    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=64), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,), small=64),
-    _gu("mlp_tma", 128, 16, 256, 8, 4, (1,), small=64), _gu("mlp_tma", 128, 16, 256, 8, 3, (1,), small=64),
+    # (kernels/schedule.py), so weights stream once per 128 routes while rests pad to 64 or 32;
+    # the small blocks run as a second launch on the small_* tiles (default: BM=64's best)
+    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=64),
+    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=64, small_stages=4),
+    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=64, small_block_n=32, small_programs_per_sm=1),
     _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=32),
     _gu("mlp_tma", 64, 16, 256, 4, 3, (2,), small=32),
 ) for c in group)

@@ -285,6 +285,9 @@ class FusedCall:
     act: torch.Tensor | None = None
 
 
+_BLOCK_PARTS = {"all": 0, "big": 1, "small": 2}  # expert_mlp_tma_kernel's BLOCKS
+
+
 def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
     """Kernels 2 and 3 as one (``expert_mlp_tma_kernel``): weighted fp32 rows per route, no
     activation buffer. ``warmup``: compile for this launch and return the compiled kernel."""
@@ -299,7 +302,7 @@ def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
             c.table.offsets, sched.block_bank, sched.block_start, sched.block_count,
             c.rows, c.slot_route, c.x.stride(0), c.rows.stride(0), c.config.num_experts)
     meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m,
-                SMALL_M=tiles.block_m_small, BLOCK_N=bn,
+                BLOCKS=_BLOCK_PARTS[step.blocks], BLOCK_N=bn,
                 ACT_DTYPE=_TL_DTYPES[w.w_down.dtype], UPCAST=upcast,
                 DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
                 **_register_cap(tiles.gu_maxnreg))
@@ -325,7 +328,7 @@ def compiled_shared_memory(call: FusedCall) -> Callable[[LaunchStep], int]:
     def measure(step: LaunchStep) -> int:
         if step.kernel != EXPERT_MLP:
             raise ValueError(f"only {EXPERT_MLP} is measured, not {step.kernel}")
-        key = (call.x.device, call.x.dtype, call.config.head_dim,
+        key = (call.x.device, call.x.dtype, call.config.head_dim, step.blocks,
                call.config.intermediate_size, step.tiles)
         if key not in _SHARED:
             _SHARED[key] = _launch_expert_mlp(step, call, warmup=True).metadata.shared

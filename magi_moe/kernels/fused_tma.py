@@ -199,7 +199,7 @@ def expert_mlp_tma_kernel(
     wu_desc,          # [H*E*Dh, I] up weights
     wd_desc,          # [H*E*I, Dh] down weights, blocks [BLOCK_N, Dh]
     gather_ptr, probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
-    block_count_ptr,  # [2] int32: live blocks, of which the first are BLOCK_M-row blocks
+    block_count_ptr,  # [2] int32: live blocks, of which the first are the big blocks
     rows_ptr,         # [R, Dh] fp32 out: p * expert(x) per route, CSR order
     slot_route_ptr,   # [S*H*K] int32 out
     stride_x,
@@ -207,8 +207,8 @@ def expert_mlp_tma_kernel(
     num_experts,
     HEAD_DIM: tl.constexpr,   # a power of two
     INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    SMALL_M: tl.constexpr,    # 0, or the rows of the schedule's small blocks (after the big)
+    BLOCK_M: tl.constexpr,    # rows of the blocks this launch runs
+    BLOCKS: tl.constexpr,     # 0: every live block; 1: the big blocks; 2: the small ones
     BLOCK_N: tl.constexpr,
     ACT_DTYPE: tl.constexpr,  # the activation's rounding point (the weights' dtype)
     UPCAST: tl.constexpr,
@@ -217,31 +217,27 @@ def expert_mlp_tma_kernel(
     """Gate/up, SwiGLU7 and the down projection of a whole row block in one work item: each
     ``BLOCK_N``-wide slice of the activation is rounded to ``ACT_DTYPE`` (the same precision
     point as the two-kernel path) and multiplied into the fp32 ``[BLOCK_M, Dh]`` output
-    accumulator straight from registers, so the activation never goes to memory. A small
-    block runs the same steps on ``SMALL_M`` rows: every K loop is the same sequence of
-    16-wide MMA steps whatever the row count, so a route's bits do not depend on its block's
-    size."""
-    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
+    accumulator straight from registers, so the activation never goes to memory.
+
+    A mixed schedule (kernels/schedule.py) runs as two launches of this kernel, the big blocks
+    then the small ones, each compiled for its own row count: one kernel with a branch per
+    block size ran 7-20% slower than either alone (NOTES-perf.md, version 7). Every K loop is
+    the same sequence of 16-wide MMA steps whatever the row count, so a route's bits do not
+    depend on its block's size."""
     num_blocks = tl.load(block_count_ptr)
-    num_big = tl.load(block_count_ptr + 1)
-    block = tl.program_id(0)
+    first = 0
+    if BLOCKS == 1:
+        num_blocks = tl.load(block_count_ptr + 1)
+    if BLOCKS == 2:
+        first = tl.load(block_count_ptr + 1)
+    # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
+    block = first + tl.program_id(0)
     while block < num_blocks:
         bank = tl.load(block_bank_ptr + block)
-        if SMALL_M == 0:
-            mlp_block(x_ptr, wg_desc, wu_desc, wd_desc, gather_ptr, probs_ptr, slots_ptr,
-                      offsets_ptr, block_start_ptr, rows_ptr, slot_route_ptr, block, bank,
-                      stride_x, stride_rows, num_experts, HEAD_DIM, INTER, BLOCK_M, BLOCK_N,
-                      ACT_DTYPE, UPCAST, DOT_PRECISION)
-        elif block < num_big:
-            mlp_block(x_ptr, wg_desc, wu_desc, wd_desc, gather_ptr, probs_ptr, slots_ptr,
-                      offsets_ptr, block_start_ptr, rows_ptr, slot_route_ptr, block, bank,
-                      stride_x, stride_rows, num_experts, HEAD_DIM, INTER, BLOCK_M, BLOCK_N,
-                      ACT_DTYPE, UPCAST, DOT_PRECISION)
-        else:
-            mlp_block(x_ptr, wg_desc, wu_desc, wd_desc, gather_ptr, probs_ptr, slots_ptr,
-                      offsets_ptr, block_start_ptr, rows_ptr, slot_route_ptr, block, bank,
-                      stride_x, stride_rows, num_experts, HEAD_DIM, INTER, SMALL_M, BLOCK_N,
-                      ACT_DTYPE, UPCAST, DOT_PRECISION)
+        mlp_block(x_ptr, wg_desc, wu_desc, wd_desc, gather_ptr, probs_ptr, slots_ptr,
+                  offsets_ptr, block_start_ptr, rows_ptr, slot_route_ptr, block, bank,
+                  stride_x, stride_rows, num_experts, HEAD_DIM, INTER, BLOCK_M, BLOCK_N,
+                  ACT_DTYPE, UPCAST, DOT_PRECISION)
         block += tl.num_programs(0)
 
 

@@ -70,8 +70,13 @@ class FusedTiles:
     block_m: int = 64
     # 0, or the rows of a bank's last block when the rest of its routes fits them (a mixed
     # schedule, kernels/schedule.py): busy banks read their weights once per block_m rows
-    # while the rests pad only to block_m_small. A power of two in 16..block_m/2.
+    # while the rests pad only to block_m_small. A power of two in 16..block_m/2. The one-kernel
+    # path runs the small blocks as a second launch with the small_* tiles.
     block_m_small: int = 0
+    small_block_n: int = 16
+    small_warps: int = 4
+    small_stages: int = 3
+    small_programs_per_sm: int = 2
     gu_block_n: int = 64
     gu_block_k: int = 64
     gu_warps: int = 4
@@ -96,9 +101,11 @@ class FusedTiles:
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gu_block_n", "gu_block_k", "down_block_n", "down_block_k",
-                     "sum_block_t", "gu_warps", "down_warps", "sum_warps"):
+                     "sum_block_t", "gu_warps", "down_warps", "sum_warps", "small_block_n",
+                     "small_warps"):
             _check_int("FusedTiles", name, getattr(self, name), power_of_two=True)
-        for name in ("gu_stages", "down_stages", "gu_programs_per_sm", "down_programs_per_sm"):
+        for name in ("gu_stages", "down_stages", "gu_programs_per_sm", "down_programs_per_sm",
+                     "small_stages", "small_programs_per_sm"):
             _check_int("FusedTiles", name, getattr(self, name))
         _check_int("FusedTiles", "gu_maxnreg", self.gu_maxnreg, minimum=0)
         small = self.block_m_small
@@ -110,6 +117,13 @@ class FusedTiles:
         _check_choice("FusedTiles", "gu_act_store", self.gu_act_store, ACT_STORES)
         _check_choice("FusedTiles", "down_variant", self.down_variant, DOWN_VARIANTS)
 
+    def small_launch(self, config: MoEConfig) -> "FusedTiles":
+        """The one-kernel tiles of a mixed schedule's second launch (its small blocks)."""
+        return replace(self, block_m=self.block_m_small, block_m_small=0,
+                       gu_block_n=self.small_block_n, gu_warps=self.small_warps,
+                       gu_stages=self.small_stages,
+                       gu_programs_per_sm=self.small_programs_per_sm).fitted(config)
+
     def fitted(self, config: MoEConfig) -> "FusedTiles":
         """The same tiles with N/K blocks shrunk to powers of two dividing the widths (the
         config guarantees multiples of 16), so the kernels' inner loops need no masks."""
@@ -120,6 +134,7 @@ class FusedTiles:
 def _fitted_fused(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
     Dh, I = config.head_dim, config.intermediate_size
     return replace(tiles, gu_block_n=_divisor_block(I, tiles.gu_block_n),
+                   small_block_n=_divisor_block(I, tiles.small_block_n),
                    gu_block_k=_divisor_block(Dh, tiles.gu_block_k),
                    down_block_n=_divisor_block(Dh, tiles.down_block_n),
                    down_block_k=_divisor_block(I, tiles.down_block_k))
