@@ -61,15 +61,15 @@ def test_merge_replaces_only_the_class_the_swept_case_falls_in(tmp_path):
     assert merged_classes([(5.0, new)], "another GPU", path=path) is None
 
 
-MIXED = (("block_m", 128), ("block_m_small", 64), ("gu_variant", "mlp_tma"), ("gu_block_n", 32))
+WIDE = (("block_m", 128), ("gu_variant", "mlp_tma"), ("gu_block_n", 32))
 
 
 def test_a_one_kernel_only_sweep_chooses_among_its_candidates():
-    """``--sweep-kernels mlp``: no gate/up or down timed, so the one-kernel candidates (a mixed
-    schedule among them) compete alone; with none left, a clear error."""
-    sweeps = [_sweep({}, {}, {MLP: 1.0, MIXED: 0.9}), _sweep({}, {}, {MLP: 2.0, MIXED: 1.9})]
+    """``--sweep-kernels mlp``: no gate/up or down timed, so the one-kernel candidates compete
+    alone; with none left, a clear error."""
+    sweeps = [_sweep({}, {}, {MLP: 1.0, WIDE: 0.9}), _sweep({}, {}, {MLP: 2.0, WIDE: 1.9})]
     tiles = best_tiles(sweeps)
-    assert (tiles.block_m, tiles.block_m_small, tiles.gu_variant) == (128, 64, "mlp_tma")
+    assert (tiles.block_m, tiles.gu_block_n, tiles.gu_variant) == (128, 32, "mlp_tma")
     with pytest.raises(ValueError, match="no expert-kernel candidate"):
         best_tiles([_sweep({}, {}, {MLP: None})])
 

@@ -69,8 +69,8 @@ def test_block_schedule_worked_example(device):
     ws = FusedWorkspace(device)
     offsets = torch.tensor([0, 3, 3, 4], dtype=torch.int64, device=device)
     sched = launch_block_schedule(offsets, 4, 3, 2, ws)
-    n = int(sched.block_count[0])
-    assert sched.block_count.tolist() == [3, 3] and sched.max_blocks == 2 + 3
+    n = int(sched.block_count)
+    assert n == 3 and sched.max_blocks == 2 + 3
     assert sched.block_bank[:n].tolist() == [0, 0, 2]
     assert sched.block_start[:n].tolist() == [0, 2, 3]
 
@@ -78,35 +78,15 @@ def test_block_schedule_worked_example(device):
     counts = torch.tensor([3, 0, 1], dtype=torch.int32, device=device)
     sched = launch_block_schedule(written, 4, 3, 2, ws, counts=counts)
     assert written.tolist() == [0, 3, 3, 4]
-    assert sched.block_bank[:int(sched.block_count[0])].tolist() == [0, 0, 2]
-
-
-def test_mixed_block_schedule_worked_example(device):
-    """The mixed-size example in kernels/schedule.py's docstring, from offsets and from counts."""
-    ws = FusedWorkspace(device)
-    for offsets, banks, starts, counts in (([0, 7, 10], [0, 0, 1], [0, 4, 7], [3, 3]),
-                                           ([0, 6, 7], [0, 0, 1], [0, 4, 6], [3, 1])):
-        sched = launch_block_schedule(torch.tensor(offsets, device=device), offsets[-1], 2, 4,
-                                      ws, small_m=2)
-        assert sched.block_count.tolist() == counts and sched.max_blocks == -(-offsets[-1] // 2) + 2
-        assert sched.block_bank[:counts[0]].tolist() == banks
-        assert sched.block_start[:counts[0]].tolist() == starts
-        written = torch.full((3,), -5, dtype=torch.int64, device=device)
-        per_bank = torch.tensor([offsets[1], offsets[2] - offsets[1]], dtype=torch.int32,
-                                device=device)
-        sched = launch_block_schedule(written, offsets[-1], 2, 4, ws, small_m=2, counts=per_bank)
-        assert written.tolist() == offsets and sched.block_count.tolist() == counts
-        assert sched.block_start[:counts[0]].tolist() == starts
+    assert sched.block_bank[:int(sched.block_count)].tolist() == [0, 0, 2]
 
 
 @pytest.mark.parametrize("from_counts", [False, True], ids=["offsets", "counts"])
-@pytest.mark.parametrize("block_m, small_m", [(1, 0), (16, 0), (64, 0), (32, 16), (64, 16)])
-def test_block_schedule_covers_every_route_within_the_bound(device, block_m, small_m,
-                                                            from_counts):
+@pytest.mark.parametrize("block_m", [1, 16, 64])
+def test_block_schedule_covers_every_route_within_the_bound(device, block_m, from_counts):
     """Several programs fill the schedule, each looping over chunks of it (block_m=1 gives over
     three hundred slots: more 64-slot chunks than the interpreter's four programs); from counts,
-    the offsets they write must be the CSR cumsum. With small blocks: the big ones first, then
-    at most one small block per bank, holding its last routes."""
+    the offsets they write must be the CSR cumsum."""
     gen = torch.Generator().manual_seed(block_m)
     counts = torch.randint(0, 3 * block_m, (50,), generator=gen)
     counts[::7] = 0          # empty banks
@@ -117,26 +97,20 @@ def test_block_schedule_covers_every_route_within_the_bound(device, block_m, sma
     ws = FusedWorkspace(device)
     if from_counts:
         written = torch.full((51,), -5, dtype=torch.int64, device=device)
-        sched = launch_block_schedule(written, R, 50, block_m, ws, small_m=small_m,
-                                      counts=counts.to(torch.int32).to(device))
+        sched = launch_block_schedule(written, R, 50, block_m, ws,
+                                            counts=counts.to(torch.int32).to(device))
         assert written.cpu().tolist() == offsets.tolist()
     else:
-        sched = launch_block_schedule(offsets.to(device), R, 50, block_m, ws, small_m=small_m)
-    n, big = sched.block_count.tolist()
-    rest = counts % block_m
-    small = ((rest > 0) & (rest <= small_m)).long() if small_m else torch.zeros_like(counts)
-    assert big == int((counts // block_m + ((rest > 0) & (small == 0)).long()).sum())
-    assert n == big + int(small.sum()) <= sched.max_blocks
+        sched = launch_block_schedule(offsets.to(device), R, 50, block_m, ws)
+    n = int(sched.block_count)
+    assert n == int(((counts + block_m - 1) // block_m).sum()) <= sched.max_blocks
     bank = sched.block_bank[:n].cpu().long()
     start = sched.block_start[:n].cpu()
     covered = torch.zeros(R, dtype=torch.int64)
     for b in range(n):
         lo, hi = int(offsets[bank[b]]), int(offsets[bank[b] + 1])
         assert lo <= int(start[b]) < hi, "a block starts outside its bank"
-        rows = block_m if b < big else small_m
-        if b >= big:
-            assert int(start[b]) + rows >= hi, "a small block must hold its bank's last routes"
-        covered[int(start[b]):min(int(start[b]) + rows, hi)] += 1
+        covered[int(start[b]):min(int(start[b]) + block_m, hi)] += 1
     assert bool((covered == 1).all()), "every route must lie in exactly one block"
 
 
@@ -177,10 +151,7 @@ def test_packed_and_plain_weights_give_the_same_bits(device):
     dict(gu_variant="tma_gathered", gu_act_store="tma", gu_block_n=32, gu_block_k=16,
          down_variant="tma", down_block_k=16),
     dict(gu_variant="mlp_tma", gu_block_n=16),
-    dict(gu_variant="mlp_tma", block_m=32, block_m_small=16, gu_block_n=16),
-    dict(gu_variant="kloop", block_m=32, block_m_small=16, gu_block_n=32, gu_block_k=16),
-], ids=["kloop-small-tiles", "tma", "tma-gathered", "tma-gathered-act-store", "mlp-tma",
-        "mlp-tma-mixed", "kloop-on-a-mixed-schedule"])
+], ids=["kloop-small-tiles", "tma", "tma-gathered", "tma-gathered-act-store", "mlp-tma"])
 @pytest.mark.parametrize("head_dim", [32, 48])  # 48: the gather pass masks its padded width
 def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     fused = F()
@@ -302,44 +273,6 @@ def test_the_interpreter_default_plan_is_the_kloop_and_pointer_pair(device):
     assert plan.kernels == ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
                             "topk_sum_kernel")
     assert plan.reasons == () and plan.asked == INTERPRETER_TILES.fitted(problem.config)
-
-
-def test_a_mixed_schedule_gives_the_bits_of_one_block_size(device):
-    """Big blocks for busy banks, small ones for the banks' rests (``block_m_small``), built by
-    the schedule launch or by the fused router: bit for bit the output of one block size, since
-    a route's sums do not depend on how many rows share its block."""
-    from magi_moe.kernels.device import tma_supported
-    from magi_moe.kernels.fused_routing import fused_route
-
-    if not tma_supported(device):
-        pytest.skip("the one-kernel path needs tensor descriptors (Hopper or later)")
-    cfg = preset("small")
-    big = 32 if device.type == "cpu" else 128
-    problem = random_problem(cfg, 90 if big == 32 else 400, seed=41, device=device,
-                             gate_std=1 / 16)
-    plain = FusedTiles(**{**vars(INTERPRETER_TILES if device.type == "cpu" else PORTABLE_TILES),
-                          "gu_variant": "mlp_tma", "block_m": big, "gu_block_n": 16,
-                          "gu_block_k": 256, "gu_warps": 8 if big == 128 else 1}).fitted(cfg)
-    mixed = dataclasses.replace(plain, block_m_small=big // 2)
-    counts = problem.table.counts()
-    rest = counts % big
-    assert bool(((rest > 0) & (rest <= big // 2)).any()) and bool((rest > big // 2).any()), \
-        "the problem must have banks of both kinds"
-    plan = _plan(problem, mixed)
-    assert [(s.kernel, s.blocks, s.tiles.block_m) for s in plan.steps[1:3]] == [
-        ("expert_mlp_tma_kernel", "big", big), ("expert_mlp_tma_kernel", "small", big // 2)]
-    want = _forward_with(problem, plain)
-    assert not torch.isnan(want).any()
-    assert torch.equal(_forward_with(problem, mixed).view(torch.int16), want.view(torch.int16))
-    routes = fused_route(problem.x, problem.gate, problem.bias, cfg, block_m=big,
-                         block_m_small=big // 2, workspace=FusedWorkspace(device))
-    assert routes.schedule.small_m == big // 2
-    out = torch.full_like(problem.x, float("nan"))
-    F().fused_forward(problem.x, routes.table, problem.weights, cfg, out=out, tiles=mixed,
-                      workspace=FusedWorkspace(device), schedule=routes.schedule)
-    plain_out = F().fused_forward(problem.x, routes.table, problem.weights, cfg, tiles=plain,
-                                  workspace=FusedWorkspace(device))
-    assert torch.equal(out.view(torch.int16), plain_out.view(torch.int16))
 
 
 @pytest.mark.parametrize("inter", [32, 64])
@@ -692,10 +625,6 @@ def test_every_launch_plan_gives_the_same_bits(config_name, tokens):
         "one kernel bm64": dataclasses.replace(one, block_m=64, gu_warps=4).fitted(cfg),
         "one kernel bn16": dataclasses.replace(one, gu_block_n=16, gu_stages=4).fitted(cfg),
         "one kernel 2 stages": dataclasses.replace(one, gu_stages=2).fitted(cfg),
-        "one kernel bm128 mixed with 64": dataclasses.replace(
-            one, block_m=128, block_m_small=64, gu_warps=8).fitted(cfg),
-        "one kernel bm128 bn16 mixed with 32": dataclasses.replace(
-            one, block_m=128, block_m_small=32, gu_block_n=16, gu_warps=8).fitted(cfg),
         "two kernels": two,
         "two kernels bm64 bk32": dataclasses.replace(two, block_m=64, gu_block_k=32, gu_warps=4,
                                                      down_warps=4),

@@ -57,32 +57,6 @@ def test_one_kernel_on_hopper():
     assert built.kernels == ("expert_mlp_tma_kernel",)
 
 
-def test_a_mixed_schedule_runs_its_big_then_its_small_blocks():
-    """block_m_small: two launches of the one-kernel path, each compiled for its row count
-    (the small one on the small_* tiles, at most one block per nonempty bank), both measured
-    for shared memory; a schedule bound of small blocks."""
-    cfg = preset("magi2-full").replace(num_heads=3, num_experts=16)
-    S, R = 4096, 4096 * 3 * cfg.top_k
-    tiles = FusedTiles(**{**vars(ONE_KERNEL), "block_m_small": 64}).fitted(cfg)
-    measured = []
-    plan = plan_fused(cfg, S, R, tiles, H200, _weights(cfg),
-                      shared_memory_of=lambda step: measured.append(step) or 200 * 1024)
-    assert plan.kernels == ("block_schedule_kernel", "expert_mlp_tma_kernel",
-                            "expert_mlp_tma_kernel", "topk_sum_kernel")
-    big, small = plan.steps[1:3]
-    assert (big.blocks, big.tiles, big.grid) == ("big", tiles, 132)
-    assert (small.blocks, small.tiles.block_m, small.tiles.gu_block_n, small.tiles.gu_warps,
-            small.grid) == ("small", 64, 16, 4, cfg.num_banks)  # fewer banks than 2 x 132
-    assert plan.max_blocks == max_blocks(R, cfg.num_banks, 128, 64) == R // 64 + cfg.num_banks
-    assert measured == [big, small]
-    assert "(small blocks)" in str(plan)
-    too_big = plan_fused(cfg, S, R, tiles, H200, _weights(cfg),
-                         shared_memory_of=lambda step: 300 * 1024 if step.blocks == "small" else 0)
-    assert too_big.kernels[1:3] == ("gate_up_kernel", "down_kernel")
-    with pytest.raises(ValueError, match="block_m_small must be 0 or a power of two in 16..block_m/2 = 64, got 96"):
-        FusedTiles(**{**vars(ONE_KERNEL), "block_m_small": 96})
-
-
 def test_no_tma_before_hopper_runs_the_two_kernels_on_their_tiles():
     cfg = preset("small")
     plan = plan_fused(cfg, 100, 1200, ONE_KERNEL.fitted(cfg), A100, _weights(cfg),

@@ -21,10 +21,9 @@ from .timing import time_one
 # Earlier versions (NOTES-perf.md) also tried flattened loops, "wide" kernels that loaded a
 # block's x rows once (pointer and descriptor forms), BK=16, 64x256 tiles, register caps and
 # Triton's warp specialisation (wrong outputs on Triton 3.6): slower or wrong, dropped.
-def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr", small=0, **small_tiles):
+def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr"):
     tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_block_k=bk, gu_warps=warps,
-                 gu_stages=stages, gu_act_store=act,
-                 **({"block_m_small": small, **small_tiles} if small else {}))
+                 gu_stages=stages, gu_act_store=act)
     return [{**tiles, "gu_programs_per_sm": p} for p in ppsm]
 
 
@@ -54,14 +53,6 @@ MLP_CANDIDATES = tuple(c for group in (
     # two warpgroups, one per 64 rows: the activation stays in the warpgroup that made it
     _gu("mlp_tma", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,)),
     _gu("mlp_tma", 128, 16, 256, 8, 4, (1,)),
-    # a mixed schedule: BM=128 blocks for busy banks, one small block for each bank's rest
-    # (kernels/schedule.py), so weights stream once per 128 routes while rests pad to 64 or 32;
-    # the small blocks run as a second launch on the small_* tiles (default: BM=64's best)
-    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=64),
-    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=64, small_stages=4),
-    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=64, small_block_n=32, small_programs_per_sm=1),
-    _gu("mlp_tma", 128, 32, 256, 8, 3, (1,), small=32),
-    _gu("mlp_tma", 64, 16, 256, 4, 3, (2,), small=32),
 ) for c in group)
 DOWN_CANDIDATES = tuple(c for group in (
     _dn(64, 128, 64, 4, 4, (2,)), _dn(128, 256, 64, 8, 3, (1,)),
@@ -136,23 +127,18 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         part = plan.only(*kernels)
         return lambda: run_plan(part, call)
 
-    def schedule_of(c):
-        return c["block_m"], c.get("block_m_small", 0)
-
     def chosen(candidates, kernel):
-        return [c for c in candidates if kernel in kernels and schedule_of(c) == key]
+        return [c for c in candidates if kernel in kernels and c["block_m"] == bm]
 
     want_rows = None
-    for key in sorted({schedule_of(c) for c in GATE_UP_CANDIDATES + DOWN_CANDIDATES
-                       + MLP_CANDIDATES}):
-        bm, small = key
+    for bm in sorted({c["block_m"] for c in GATE_UP_CANDIDATES + DOWN_CANDIDATES
+                      + MLP_CANDIDATES}):
         if not any(chosen(c, k) for c, k in ((GATE_UP_CANDIDATES, "gate_up"),
                                             (DOWN_CANDIDATES, "down"), (MLP_CANDIDATES, "mlp"))):
             continue
-        sched = launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws, small_m=small)
-        results["schedule"][f"{bm}/{small}" if small else bm] = time_one(
-            lambda: launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws, small_m=small),
-            **timing)
+        sched = launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws)
+        results["schedule"][bm] = time_one(
+            lambda: launch_block_schedule(table.offsets, R, cfg.num_banks, bm, ws), **timing)
         live = int(sched.block_count[0]) * bm
         xg = ws.get("x_gathered", (sched.max_blocks * bm, cfg.head_dim), problem.x.dtype)
         results["gather"][bm] = time_one(  # part of every "tma_gathered" time: shown apart

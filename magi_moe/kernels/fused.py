@@ -285,9 +285,6 @@ class FusedCall:
     act: torch.Tensor | None = None
 
 
-_BLOCK_PARTS = {"all": 0, "big": 1, "small": 2}  # expert_mlp_tma_kernel's BLOCKS
-
-
 def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
     """Kernels 2 and 3 as one (``expert_mlp_tma_kernel``): weighted fp32 rows per route, no
     activation buffer. ``warmup``: compile for this launch and return the compiled kernel."""
@@ -301,8 +298,7 @@ def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
     args = (c.x, *descs, c.table.gather_ids, c.table.sorted_probs, c.table.route_slots,
             c.table.offsets, sched.block_bank, sched.block_start, sched.block_count,
             c.rows, c.slot_route, c.x.stride(0), c.rows.stride(0), c.config.num_experts)
-    meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m,
-                BLOCKS=_BLOCK_PARTS[step.blocks], BLOCK_N=bn,
+    meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
                 ACT_DTYPE=_TL_DTYPES[w.w_down.dtype], UPCAST=upcast,
                 DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
                 **_register_cap(tiles.gu_maxnreg))
@@ -328,7 +324,7 @@ def compiled_shared_memory(call: FusedCall) -> Callable[[LaunchStep], int]:
     def measure(step: LaunchStep) -> int:
         if step.kernel != EXPERT_MLP:
             raise ValueError(f"only {EXPERT_MLP} is measured, not {step.kernel}")
-        key = (call.x.device, call.x.dtype, call.config.head_dim, step.blocks,
+        key = (call.x.device, call.x.dtype, call.config.head_dim,
                call.config.intermediate_size, step.tiles)
         if key not in _SHARED:
             _SHARED[key] = _launch_expert_mlp(step, call, warmup=True).metadata.shared
@@ -480,13 +476,11 @@ def _call_schedule(table: RouteTable, config: MoEConfig, tiles: FusedTiles,
     if R == 0:
         return None
     if schedule is None:
-        return schedule_buffers(workspace, R, config.num_banks, tiles.block_m,
-                                tiles.block_m_small)
-    if (schedule.block_m, schedule.small_m) != (tiles.block_m, tiles.block_m_small):
+        return schedule_buffers(workspace, R, config.num_banks, tiles.block_m)
+    if schedule.block_m != tiles.block_m:
         raise ValueError(f"schedule was built for block_m={schedule.block_m}, "
-                         f"block_m_small={schedule.small_m}; tiles use {tiles.block_m}, "
-                         f"{tiles.block_m_small}")
-    want = max_blocks(R, config.num_banks, tiles.block_m, tiles.block_m_small)
+                         f"tiles use {tiles.block_m}")
+    want = max_blocks(R, config.num_banks, tiles.block_m)
     if schedule.max_blocks != want:
         raise ValueError(f"schedule has {schedule.max_blocks} blocks; a table of {R} routes over "
                          f"{config.num_banks} banks needs {want}")

@@ -18,8 +18,7 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     synchronisation, no allocation once warm except ``out`` when not given."""
     workspace = workspace or shared_workspace(x.device)
     tiles = choose_fused_tiles(config, x.shape[0] * config.num_heads * config.top_k, x.device)
-    routes = fused_route(x, gate, bias, config, block_m=tiles.block_m,
-                         block_m_small=tiles.block_m_small, workspace=workspace)
+    routes = fused_route(x, gate, bias, config, block_m=tiles.block_m, workspace=workspace)
     # The table was built on the device just now and nothing ran since: no value check (it
     # would cost a sync), also for inference tensors, whose changes no version counter records.
     return fused_forward(x, routes.table, weights, config, out=out, tiles=tiles,

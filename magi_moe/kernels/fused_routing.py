@@ -245,14 +245,13 @@ class FusedRoutes:
 
 
 def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
-                config: MoEConfig, *, block_m: int | None = None, block_m_small: int = 0,
+                config: MoEConfig, *, block_m: int | None = None,
                 workspace: FusedWorkspace | None = None,
                 tiles: RoutingTiles | None = None) -> FusedRoutes:
     """Route ``x`` ``[S, H*Dh]`` with ``gate`` ``[H*E, Dh]`` fp32 and ``bias`` ``[H*E]`` fp32.
 
     ``block_m``: also build the expert kernels' block schedule for this row block (one launch
-    fewer than building it in :func:`~magi_moe.kernels.fused.fused_forward`), with small
-    blocks of ``block_m_small`` rows for the banks' rests (0: none)."""
+    fewer than building it in :func:`~magi_moe.kernels.fused.fused_forward`)."""
     H, E, K, Dh = config.num_heads, config.num_experts, config.top_k, config.head_dim
     check_tensor("x", x, shape=(None, config.hidden_size),
                  dtype=(torch.bfloat16, torch.float16, torch.float32))
@@ -314,8 +313,7 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
         BLOCK_TB=tiles.prefix_block_tb, BLOCK_B=tiles.prefix_block_b,
         num_warps=4 if not interpret else 1,
     )
-    schedule = launch_block_schedule(offsets, R, HE, block_m or 16, workspace, counts=totals,
-                                     small_m=block_m_small if block_m else 0)
+    schedule = launch_block_schedule(offsets, R, HE, block_m or 16, workspace, counts=totals)
     place_routes_kernel[(TB, H)](
         ids, probs, prefix, offsets, gather_ids, sorted_probs, route_slots, S,
         NUM_HEADS=H, NUM_EXPERTS=E, E_PAD=max(16, triton.next_power_of_2(E)), TOP_K=K,

@@ -163,43 +163,13 @@ def down_tma_kernel(
 
 
 @triton.jit
-def mlp_block(x_ptr, wg_desc, wu_desc, wd_desc, gather_ptr, probs_ptr, slots_ptr, offsets_ptr,
-              block_start_ptr, rows_ptr, slot_route_ptr, block, bank, stride_x, stride_rows,
-              num_experts, HEAD_DIM: tl.constexpr, INTER: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACT_DTYPE: tl.constexpr,
-              UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One work item of ``expert_mlp_tma_kernel``: the ``BLOCK_M`` routes of ``block``."""
-    rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
-    x_tile = block_x_rows(x_ptr, gather_ptr, rows, row_mask, bank.to(tl.int64) // num_experts,
-                          stride_x, HEAD_DIM)
-    if UPCAST:
-        x_tile = x_tile.to(tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for j in range(0, INTER // BLOCK_N):
-        n0 = j * BLOCK_N
-        wg = wg_desc.load([bank * HEAD_DIM, n0])
-        wu = wu_desc.load([bank * HEAD_DIM, n0])
-        wd = wd_desc.load([bank * INTER + n0, 0])
-        if UPCAST:
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-            wd = wd.to(tl.float32)
-        g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
-        u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
-        a = round_operand(swiglu7(g, u), ACT_DTYPE, UPCAST)
-        acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
-    store_weighted_rows(acc, rows, row_mask, tl.arange(0, HEAD_DIM), probs_ptr, slots_ptr,
-                        rows_ptr, slot_route_ptr, stride_rows)
-
-
-@triton.jit
 def expert_mlp_tma_kernel(
     x_ptr,            # [S, H*Dh] input
     wg_desc,          # [H*E*Dh, I] gate weights, blocks [Dh, BLOCK_N]
     wu_desc,          # [H*E*Dh, I] up weights
     wd_desc,          # [H*E*I, Dh] down weights, blocks [BLOCK_N, Dh]
     gather_ptr, probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
-    block_count_ptr,  # [2] int32: live blocks, of which the first are the big blocks
+    block_count_ptr,
     rows_ptr,         # [R, Dh] fp32 out: p * expert(x) per route, CSR order
     slot_route_ptr,   # [S*H*K] int32 out
     stride_x,
@@ -207,8 +177,7 @@ def expert_mlp_tma_kernel(
     num_experts,
     HEAD_DIM: tl.constexpr,   # a power of two
     INTER: tl.constexpr,
-    BLOCK_M: tl.constexpr,    # rows of the blocks this launch runs
-    BLOCKS: tl.constexpr,     # 0: every live block; 1: the big blocks; 2: the small ones
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACT_DTYPE: tl.constexpr,  # the activation's rounding point (the weights' dtype)
     UPCAST: tl.constexpr,
@@ -217,27 +186,33 @@ def expert_mlp_tma_kernel(
     """Gate/up, SwiGLU7 and the down projection of a whole row block in one work item: each
     ``BLOCK_N``-wide slice of the activation is rounded to ``ACT_DTYPE`` (the same precision
     point as the two-kernel path) and multiplied into the fp32 ``[BLOCK_M, Dh]`` output
-    accumulator straight from registers, so the activation never goes to memory.
-
-    A mixed schedule (kernels/schedule.py) runs as two launches of this kernel, the big blocks
-    then the small ones, each compiled for its own row count: one kernel with a branch per
-    block size ran 7-20% slower than either alone (NOTES-perf.md, version 7). Every K loop is
-    the same sequence of 16-wide MMA steps whatever the row count, so a route's bits do not
-    depend on its block's size."""
-    num_blocks = tl.load(block_count_ptr)
-    first = 0
-    if BLOCKS == 1:
-        num_blocks = tl.load(block_count_ptr + 1)
-    if BLOCKS == 2:
-        first = tl.load(block_count_ptr + 1)
+    accumulator straight from registers, so the activation never goes to memory."""
     # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
-    block = first + tl.program_id(0)
+    num_blocks = tl.load(block_count_ptr)
+    block = tl.program_id(0)
     while block < num_blocks:
         bank = tl.load(block_bank_ptr + block)
-        mlp_block(x_ptr, wg_desc, wu_desc, wd_desc, gather_ptr, probs_ptr, slots_ptr,
-                  offsets_ptr, block_start_ptr, rows_ptr, slot_route_ptr, block, bank,
-                  stride_x, stride_rows, num_experts, HEAD_DIM, INTER, BLOCK_M, BLOCK_N,
-                  ACT_DTYPE, UPCAST, DOT_PRECISION)
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
+        x_tile = block_x_rows(x_ptr, gather_ptr, rows, row_mask, bank.to(tl.int64) // num_experts,
+                              stride_x, HEAD_DIM)
+        if UPCAST:
+            x_tile = x_tile.to(tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        for j in range(0, INTER // BLOCK_N):
+            n0 = j * BLOCK_N
+            wg = wg_desc.load([bank * HEAD_DIM, n0])
+            wu = wu_desc.load([bank * HEAD_DIM, n0])
+            wd = wd_desc.load([bank * INTER + n0, 0])
+            if UPCAST:
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+                wd = wd.to(tl.float32)
+            g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
+            u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
+            a = round_operand(swiglu7(g, u), ACT_DTYPE, UPCAST)
+            acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
+        store_weighted_rows(acc, rows, row_mask, tl.arange(0, HEAD_DIM), probs_ptr, slots_ptr,
+                            rows_ptr, slot_route_ptr, stride_rows)
         block += tl.num_programs(0)
 
 

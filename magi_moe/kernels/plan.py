@@ -46,15 +46,11 @@ NO_TMA = "no TMA (tensor descriptors) before Hopper"
 class LaunchStep:
     """One launch: the Triton kernel's name, its grid (programs) and the tiles it runs with
     (for ``gate_up_tma_kernel`` the variant, ``tma`` or ``tma_gathered``, and the activation
-    store are the tiles' ``gu_variant`` and ``gu_act_store``). ``blocks``: which of the
-    schedule's blocks a one-kernel launch runs, ``all``, or on a mixed schedule the ``big``
-    ones (``block_m`` rows) or the ``small`` ones (its tiles' ``block_m`` is then the small
-    blocks' row count)."""
+    store are the tiles' ``gu_variant`` and ``gu_act_store``)."""
 
     kernel: str
     grid: int
     tiles: FusedTiles
-    blocks: str = "all"
 
 
 @dataclass(frozen=True)
@@ -89,8 +85,7 @@ class LaunchPlan:
         return replace(self, steps=tuple(s for s in self.steps if s.kernel in kernels))
 
     def __str__(self) -> str:
-        lines = [f"{s.kernel}{'' if s.blocks == 'all' else f' ({s.blocks} blocks)'} x {s.grid}"
-             for s in self.steps]
+        lines = [f"{s.kernel} x {s.grid}" for s in self.steps]
         return "; ".join(lines) + "".join(f"\n  because {r}" for r in self.reasons)
 
 
@@ -153,19 +148,6 @@ def _down_step(config: MoEConfig, nb: int, tiles: FusedTiles, facts: DeviceFacts
     return LaunchStep(DOWN_TMA, grid, tiles)
 
 
-def _one_kernel_steps(config: MoEConfig, nb: int, num_routes: int, tiles: FusedTiles,
-                      facts: DeviceFacts) -> list[LaunchStep]:
-    """The one-kernel launches: all blocks in one, or on a mixed schedule the big blocks then
-    the small ones (at most one per nonempty bank), each compiled for its row count."""
-    if not tiles.block_m_small:
-        return [LaunchStep(EXPERT_MLP, persistent_grid(nb, tiles.gu_programs_per_sm, facts), tiles)]
-    small = tiles.small_launch(config)
-    return [LaunchStep(EXPERT_MLP, persistent_grid(nb, tiles.gu_programs_per_sm, facts), tiles,
-                       "big"),
-            LaunchStep(EXPERT_MLP, persistent_grid(min(config.num_banks, num_routes),
-                                                   small.gu_programs_per_sm, facts), small, "small")]
-
-
 def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: FusedTiles,
                facts: DeviceFacts, weights: ExpertWeights, *, schedule_built: bool = False,
                rows_only: bool = False,
@@ -180,28 +162,25 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
     reasons: list[str] = []
     steps: list[LaunchStep] = []
     act_rows = 0
-    nb = (max_blocks(num_routes, config.num_banks, tiles.block_m, tiles.block_m_small)
-          if num_routes else 0)
+    nb = max_blocks(num_routes, config.num_banks, tiles.block_m) if num_routes else 0
     if num_routes:
         if not schedule_built:
             steps.append(LaunchStep(SCHEDULE, schedule_programs(
-                num_routes, config.num_banks, tiles.block_m, facts, tiles.block_m_small), tiles))
+                num_routes, config.num_banks, tiles.block_m, facts), tiles))
         expert = tiles
         if tiles.gu_variant == "mlp_tma":
-            ones = _one_kernel_steps(config, nb, num_routes, tiles, facts)
+            one = LaunchStep(EXPERT_MLP, persistent_grid(nb, tiles.gu_programs_per_sm, facts), tiles)
             why = _one_kernel_problems(config, facts, weights)
             if not why and facts.shared_memory is not None and shared_memory_of is not None:
-                for one in ones:
-                    need = shared_memory_of(one)
-                    if need > facts.shared_memory:
-                        why.append(f"{EXPERT_MLP} compiled for these tiles needs "
-                                   f"{need / 1024:.1f} KiB of shared memory > the GPU's "
-                                   f"{facts.shared_memory / 1024:.1f} KiB")
+                need = shared_memory_of(one)
+                if need > facts.shared_memory:
+                    why.append(f"{EXPERT_MLP} compiled for these tiles needs {need / 1024:.1f} KiB "
+                               f"of shared memory > the GPU's {facts.shared_memory / 1024:.1f} KiB")
             if why:
                 reasons.append(f"gu_variant 'mlp_tma' -> {GATE_UP} + {DOWN}: " + "; ".join(why))
                 expert = two_kernel_tiles(tiles, config)
             else:
-                steps += ones
+                steps.append(one)
                 expert = None
         if expert is not None:
             steps += _gate_up_step(config, nb, expert, facts, weights, reasons)

@@ -68,15 +68,6 @@ class FusedTiles:
     """Block shapes of the three expert kernels. ``block_m`` is shared: it sets the padding."""
 
     block_m: int = 64
-    # 0, or the rows of a bank's last block when the rest of its routes fits them (a mixed
-    # schedule, kernels/schedule.py): busy banks read their weights once per block_m rows
-    # while the rests pad only to block_m_small. A power of two in 16..block_m/2. The one-kernel
-    # path runs the small blocks as a second launch with the small_* tiles.
-    block_m_small: int = 0
-    small_block_n: int = 16
-    small_warps: int = 4
-    small_stages: int = 3
-    small_programs_per_sm: int = 2
     gu_block_n: int = 64
     gu_block_k: int = 64
     gu_warps: int = 4
@@ -101,28 +92,14 @@ class FusedTiles:
 
     def __post_init__(self) -> None:
         for name in ("block_m", "gu_block_n", "gu_block_k", "down_block_n", "down_block_k",
-                     "sum_block_t", "gu_warps", "down_warps", "sum_warps", "small_block_n",
-                     "small_warps"):
+                     "sum_block_t", "gu_warps", "down_warps", "sum_warps"):
             _check_int("FusedTiles", name, getattr(self, name), power_of_two=True)
-        for name in ("gu_stages", "down_stages", "gu_programs_per_sm", "down_programs_per_sm",
-                     "small_stages", "small_programs_per_sm"):
+        for name in ("gu_stages", "down_stages", "gu_programs_per_sm", "down_programs_per_sm"):
             _check_int("FusedTiles", name, getattr(self, name))
         _check_int("FusedTiles", "gu_maxnreg", self.gu_maxnreg, minimum=0)
-        small = self.block_m_small
-        if small and (isinstance(small, bool) or not isinstance(small, int) or small & (small - 1)
-                      or not 16 <= small <= self.block_m // 2):
-            raise ValueError(f"FusedTiles.block_m_small must be 0 or a power of two in "
-                             f"16..block_m/2 = {self.block_m // 2}, got {small!r}")
         _check_choice("FusedTiles", "gu_variant", self.gu_variant, GATE_UP_VARIANTS)
         _check_choice("FusedTiles", "gu_act_store", self.gu_act_store, ACT_STORES)
         _check_choice("FusedTiles", "down_variant", self.down_variant, DOWN_VARIANTS)
-
-    def small_launch(self, config: MoEConfig) -> "FusedTiles":
-        """The one-kernel tiles of a mixed schedule's second launch (its small blocks)."""
-        return replace(self, block_m=self.block_m_small, block_m_small=0,
-                       gu_block_n=self.small_block_n, gu_warps=self.small_warps,
-                       gu_stages=self.small_stages,
-                       gu_programs_per_sm=self.small_programs_per_sm).fitted(config)
 
     def fitted(self, config: MoEConfig) -> "FusedTiles":
         """The same tiles with N/K blocks shrunk to powers of two dividing the widths (the
@@ -134,7 +111,6 @@ class FusedTiles:
 def _fitted_fused(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
     Dh, I = config.head_dim, config.intermediate_size
     return replace(tiles, gu_block_n=_divisor_block(I, tiles.gu_block_n),
-                   small_block_n=_divisor_block(I, tiles.small_block_n),
                    gu_block_k=_divisor_block(Dh, tiles.gu_block_k),
                    down_block_n=_divisor_block(Dh, tiles.down_block_n),
                    down_block_k=_divisor_block(I, tiles.down_block_k))
@@ -166,8 +142,7 @@ def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
     if tiles.gu_variant != "mlp_tma":
         return tiles
     warps = 8 if tiles.block_m >= 128 else 4
-    return replace(PORTABLE_TILES, block_m=tiles.block_m, block_m_small=tiles.block_m_small,
-                   gu_warps=warps, down_warps=warps,
+    return replace(PORTABLE_TILES, block_m=tiles.block_m, gu_warps=warps, down_warps=warps,
                    sum_block_t=tiles.sum_block_t, sum_warps=tiles.sum_warps).fitted(config)
 
 
