@@ -53,11 +53,6 @@ MLP_CANDIDATES = tuple(c for group in (
     # two warpgroups, one per 64 rows: the activation stays in the warpgroup that made it
     _gu("mlp_tma", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,)),
     _gu("mlp_tma", 128, 16, 256, 8, 4, (1,)),
-    # the products transposed: the weight slice fills the MMA's 64-row side, tokens its N side
-    _gu("mlp_tma_swapped", 64, 32, 256, 4, 3, (1,)), _gu("mlp_tma_swapped", 64, 64, 256, 4, 2, (1,)),
-    _gu("mlp_tma_swapped", 32, 64, 256, 4, 2, (1,)), _gu("mlp_tma_swapped", 32, 64, 256, 8, 2, (1,)),
-    _gu("mlp_tma_swapped", 16, 64, 256, 4, 2, (1,)), _gu("mlp_tma_swapped", 128, 64, 256, 8, 2, (1,)),
-    _gu("mlp_tma_swapped", 64, 32, 256, 4, 2, (2,)),
 ) for c in group)
 DOWN_CANDIDATES = tuple(c for group in (
     _dn(64, 128, 64, 4, 4, (2,)), _dn(128, 256, 64, 8, 3, (1,)),

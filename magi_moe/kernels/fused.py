@@ -299,8 +299,7 @@ def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
             c.table.offsets, sched.block_bank, sched.block_start, sched.block_count,
             c.rows, c.slot_route, c.x.stride(0), c.rows.stride(0), c.config.num_experts)
     meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
-                ACT_DTYPE=_TL_DTYPES[w.w_down.dtype],
-                SWAPPED=tiles.gu_variant == "mlp_tma_swapped", UPCAST=upcast,
+                ACT_DTYPE=_TL_DTYPES[w.w_down.dtype], UPCAST=upcast,
                 DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
                 **_register_cap(tiles.gu_maxnreg))
     if warmup:

@@ -163,51 +163,6 @@ def down_tma_kernel(
 
 
 @triton.jit
-def mlp_rows(x_tile, wg_desc, wu_desc, wd_desc, bank, HEAD_DIM: tl.constexpr,
-             INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             ACT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """``[BLOCK_M, Dh]`` fp32: the expert MLP of the block's rows, tokens on the MMA's M side."""
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for j in range(0, INTER // BLOCK_N):
-        n0 = j * BLOCK_N
-        wg = wg_desc.load([bank * HEAD_DIM, n0])
-        wu = wu_desc.load([bank * HEAD_DIM, n0])
-        wd = wd_desc.load([bank * INTER + n0, 0])
-        if UPCAST:
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-            wd = wd.to(tl.float32)
-        g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
-        u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
-        a = round_operand(swiglu7(g, u), ACT_DTYPE, UPCAST)
-        acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def mlp_swapped(x_tile, wg_desc, wu_desc, wd_desc, bank, HEAD_DIM: tl.constexpr,
-                INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                ACT_DTYPE: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """:func:`mlp_rows` transposed: the weight slices on the MMA's M side, tokens on N."""
-    x_t = tl.trans(x_tile)  # [Dh, BLOCK_M]
-    acc_t = tl.zeros((HEAD_DIM, BLOCK_M), dtype=tl.float32)
-    for j in range(0, INTER // BLOCK_N):
-        n0 = j * BLOCK_N
-        wg = wg_desc.load([bank * HEAD_DIM, n0])
-        wu = wu_desc.load([bank * HEAD_DIM, n0])
-        wd = wd_desc.load([bank * INTER + n0, 0])
-        if UPCAST:
-            wg = wg.to(tl.float32)
-            wu = wu.to(tl.float32)
-            wd = wd.to(tl.float32)
-        g_t = tl.dot(tl.trans(wg), x_t, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
-        u_t = tl.dot(tl.trans(wu), x_t, input_precision=DOT_PRECISION)
-        a_t = round_operand(swiglu7(g_t, u_t), ACT_DTYPE, UPCAST)
-        acc_t = tl.dot(tl.trans(wd), a_t, acc_t, input_precision=DOT_PRECISION)
-    return tl.trans(acc_t)
-
-
-@triton.jit
 def expert_mlp_tma_kernel(
     x_ptr,            # [S, H*Dh] input
     wg_desc,          # [H*E*Dh, I] gate weights, blocks [Dh, BLOCK_N]
@@ -225,19 +180,13 @@ def expert_mlp_tma_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACT_DTYPE: tl.constexpr,  # the activation's rounding point (the weights' dtype)
-    SWAPPED: tl.constexpr,    # the transposed products (see below)
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Gate/up, SwiGLU7 and the down projection of a whole row block in one work item: each
     ``BLOCK_N``-wide slice of the activation is rounded to ``ACT_DTYPE`` (the same precision
     point as the two-kernel path) and multiplied into the fp32 ``[BLOCK_M, Dh]`` output
-    accumulator straight from registers, so the activation never goes to memory.
-
-    ``SWAPPED`` (``gu_variant="mlp_tma_swapped"``) computes the transposes, ``g^T = Wg^T x^T``
-    and ``y^T += Wd^T a^T``: the weight slice is the MMA's M side and the block's tokens its N,
-    so a few tokens per bank still fill 64-row MMAs and a wide ``I`` slice does not cost
-    registers per token. The same products summed in the same 16-wide steps: the same bits."""
+    accumulator straight from registers, so the activation never goes to memory."""
     # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     num_blocks = tl.load(block_count_ptr)
     block = tl.program_id(0)
@@ -248,12 +197,20 @@ def expert_mlp_tma_kernel(
                               stride_x, HEAD_DIM)
         if UPCAST:
             x_tile = x_tile.to(tl.float32)
-        if SWAPPED:
-            acc = mlp_swapped(x_tile, wg_desc, wu_desc, wd_desc, bank, HEAD_DIM, INTER, BLOCK_M,
-                              BLOCK_N, ACT_DTYPE, UPCAST, DOT_PRECISION)
-        else:
-            acc = mlp_rows(x_tile, wg_desc, wu_desc, wd_desc, bank, HEAD_DIM, INTER, BLOCK_M,
-                           BLOCK_N, ACT_DTYPE, UPCAST, DOT_PRECISION)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        for j in range(0, INTER // BLOCK_N):
+            n0 = j * BLOCK_N
+            wg = wg_desc.load([bank * HEAD_DIM, n0])
+            wu = wu_desc.load([bank * HEAD_DIM, n0])
+            wd = wd_desc.load([bank * INTER + n0, 0])
+            if UPCAST:
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+                wd = wd.to(tl.float32)
+            g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
+            u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
+            a = round_operand(swiglu7(g, u), ACT_DTYPE, UPCAST)
+            acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
         store_weighted_rows(acc, rows, row_mask, tl.arange(0, HEAD_DIM), probs_ptr, slots_ptr,
                             rows_ptr, slot_route_ptr, stride_rows)
         block += tl.num_programs(0)
