@@ -151,10 +151,7 @@ def test_packed_and_plain_weights_give_the_same_bits(device):
     dict(gu_variant="tma_gathered", gu_act_store="tma", gu_block_n=32, gu_block_k=16,
          down_variant="tma", down_block_k=16),
     dict(gu_variant="mlp_tma", gu_block_n=16),
-    dict(gu_variant="mlp_tma_halves", block_m=32, gu_block_n=16),
-    dict(gu_variant="mlp_tma_halves_outer", block_m=32, gu_block_n=16),
-], ids=["kloop-small-tiles", "tma", "tma-gathered", "tma-gathered-act-store", "mlp-tma",
-        "mlp-tma-halves", "mlp-tma-halves-outer"])
+], ids=["kloop-small-tiles", "tma", "tma-gathered", "tma-gathered-act-store", "mlp-tma"])
 @pytest.mark.parametrize("head_dim", [32, 48])  # 48: the gather pass masks its padded width
 def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     fused = F()
@@ -195,9 +192,7 @@ def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None)
 
 
 @pytest.mark.parametrize("gu_variant,act_store", [("tma", "ptr"), ("tma_gathered", "ptr"),
-                                                  ("tma_gathered", "tma"), ("mlp_tma", "ptr"),
-                                                  ("mlp_tma_halves", "ptr"),
-                                                  ("mlp_tma_halves_outer", "ptr")])
+                                                  ("tma_gathered", "tma"), ("mlp_tma", "ptr")])
 def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant, act_store):
     """The plan runs the descriptor kernels (no fallback) and they compute what the pointer
     kernels compute: the same bits under the interpreter (same operations in the same order),
@@ -210,7 +205,7 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
     base = INTERPRETER_TILES if device.type == "cpu" else PORTABLE_TILES
     # mlp_tma reduces over all of Dh in one dot and over I in steps of gu_block_n: the pointer
     # kernels take the same steps, so the interpreter's sums match.
-    whole = gu_variant.startswith("mlp_tma")
+    whole = gu_variant == "mlp_tma"
     pointer = FusedTiles(**{**vars(base), "gu_block_k": 256 if whole else 32,
                             "gu_block_n": 32, "down_block_k": 32}).fitted(problem.config)
     descriptor = FusedTiles(**{**vars(pointer), "gu_variant": gu_variant,
@@ -221,8 +216,7 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
     assert _descriptor_kernels(plan) == {
         "tma": ["gate_up_tma_kernel", "down_tma_kernel"],
         "tma_gathered": ["gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel"],
-        "mlp_tma": ["expert_mlp_tma_kernel"], "mlp_tma_halves": ["expert_mlp_tma_kernel"],
-        "mlp_tma_halves_outer": ["expert_mlp_tma_kernel"]}[gu_variant]
+        "mlp_tma": ["expert_mlp_tma_kernel"]}[gu_variant]
     assert plan.step(plan.kernels[1]).tiles.gu_act_store == act_store
     want = _forward_with(problem, pointer)
     got = _forward_with(problem, descriptor)
@@ -631,10 +625,6 @@ def test_every_launch_plan_gives_the_same_bits(config_name, tokens):
         "one kernel bm64": dataclasses.replace(one, block_m=64, gu_warps=4).fitted(cfg),
         "one kernel bn16": dataclasses.replace(one, gu_block_n=16, gu_stages=4).fitted(cfg),
         "one kernel 2 stages": dataclasses.replace(one, gu_stages=2).fitted(cfg),
-        "one kernel halves": dataclasses.replace(
-            one, gu_variant="mlp_tma_halves", block_m=128, gu_warps=8).fitted(cfg),
-        "one kernel halves, loop per case": dataclasses.replace(
-            one, gu_variant="mlp_tma_halves_outer", block_m=128, gu_warps=8).fitted(cfg),
         "two kernels": two,
         "two kernels bm64 bk32": dataclasses.replace(two, block_m=64, gu_block_k=32, gu_warps=4,
                                                      down_warps=4),

@@ -31,7 +31,7 @@ def fresh_warnings(monkeypatch):
     (FusedTiles, "gu_stages", 0, "a positive int"),
     (FusedTiles, "down_programs_per_sm", True, "a positive int"),
     (FusedTiles, "gu_maxnreg", -1, "an int >= 0"),
-    (FusedTiles, "gu_variant", "wide", "one of ('kloop', 'tma', 'tma_gathered', 'mlp_tma', 'mlp_tma_halves', 'mlp_tma_halves_outer')"),
+    (FusedTiles, "gu_variant", "wide", "one of ('kloop', 'tma', 'tma_gathered', 'mlp_tma')"),
     (FusedTiles, "gu_act_store", "smem", "one of ('ptr', 'tma')"),
     (FusedTiles, "down_variant", "kloop", "one of ('ptr', 'tma')"),
     (RoutingTiles, "block_s", 24, "a positive power of two"),

@@ -53,12 +53,6 @@ MLP_CANDIDATES = tuple(c for group in (
     # two warpgroups, one per 64 rows: the activation stays in the warpgroup that made it
     _gu("mlp_tma", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,)),
     _gu("mlp_tma", 128, 16, 256, 8, 4, (1,)),
-    # a 128-row block as two 64-row halves sharing the weight tiles, the second skipped when
-    # empty: BM=128's weight traffic, BM=64's padding
-    _gu("mlp_tma_halves", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma_halves", 128, 16, 256, 8, 3, (1,)),
-    _gu("mlp_tma_halves", 128, 16, 256, 8, 4, (1,)),
-    _gu("mlp_tma_halves_outer", 128, 32, 256, 8, 3, (1,)),
-    _gu("mlp_tma_halves_outer", 128, 16, 256, 8, 3, (1,)),
 ) for c in group)
 DOWN_CANDIDATES = tuple(c for group in (
     _dn(64, 128, 64, 4, 4, (2,)), _dn(128, 256, 64, 8, 3, (1,)),

@@ -285,9 +285,6 @@ class FusedCall:
     act: torch.Tensor | None = None
 
 
-_HALVES = {"mlp_tma_halves": 1, "mlp_tma_halves_outer": 2}  # expert_mlp_tma_kernel's HALVES
-
-
 def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
     """Kernels 2 and 3 as one (``expert_mlp_tma_kernel``): weighted fp32 rows per route, no
     activation buffer. ``warmup``: compile for this launch and return the compiled kernel."""
@@ -302,8 +299,7 @@ def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
             c.table.offsets, sched.block_bank, sched.block_start, sched.block_count,
             c.rows, c.slot_route, c.x.stride(0), c.rows.stride(0), c.config.num_experts)
     meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
-                ACT_DTYPE=_TL_DTYPES[w.w_down.dtype],
-                HALVES=_HALVES.get(tiles.gu_variant, 0), UPCAST=upcast,
+                ACT_DTYPE=_TL_DTYPES[w.w_down.dtype], UPCAST=upcast,
                 DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
                 **_register_cap(tiles.gu_maxnreg))
     if warmup:

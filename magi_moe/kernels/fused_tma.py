@@ -163,82 +163,6 @@ def down_tma_kernel(
 
 
 @triton.jit
-def mlp_step(x_tile, wg, wu, wd, acc, ACT_DTYPE: tl.constexpr, UPCAST: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
-    """One ``BLOCK_N`` slice of ``I``: gate/up, SwiGLU7 rounded once, into the accumulator."""
-    g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
-    u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
-    a = round_operand(swiglu7(g, u), ACT_DTYPE, UPCAST)
-    return tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def mlp_halves(x_ptr, wg_desc, wu_desc, wd_desc, gather_ptr, probs_ptr, slots_ptr, offsets_ptr,
-               block_start_ptr, rows_ptr, slot_route_ptr, block, bank, stride_x, stride_rows,
-               num_experts, HEAD_DIM: tl.constexpr, INTER: tl.constexpr, HALF_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, ACT_DTYPE: tl.constexpr, HALVES: tl.constexpr,
-               UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One work item of ``expert_mlp_tma_kernel`` with ``HALVES``: rows as two halves."""
-    start = tl.load(block_start_ptr + block)
-    end = tl.load(offsets_ptr + bank.to(tl.int64) + 1)
-    head = bank.to(tl.int64) // num_experts
-    rows_lo = start + tl.arange(0, HALF_M).to(tl.int64)
-    rows_hi = rows_lo + HALF_M
-    mask_lo = rows_lo < end
-    mask_hi = rows_hi < end
-    has_hi = start + HALF_M < end
-    x_lo = block_x_rows(x_ptr, gather_ptr, rows_lo, mask_lo, head, stride_x, HEAD_DIM)
-    x_hi = block_x_rows(x_ptr, gather_ptr, rows_hi, mask_hi, head, stride_x, HEAD_DIM)
-    if UPCAST:
-        x_lo = x_lo.to(tl.float32)
-        x_hi = x_hi.to(tl.float32)
-    acc_lo = tl.zeros((HALF_M, HEAD_DIM), dtype=tl.float32)
-    acc_hi = tl.zeros((HALF_M, HEAD_DIM), dtype=tl.float32)
-    if HALVES == 1:
-        for j in range(0, INTER // BLOCK_N):
-            n0 = j * BLOCK_N
-            wg = wg_desc.load([bank * HEAD_DIM, n0])
-            wu = wu_desc.load([bank * HEAD_DIM, n0])
-            wd = wd_desc.load([bank * INTER + n0, 0])
-            if UPCAST:
-                wg = wg.to(tl.float32)
-                wu = wu.to(tl.float32)
-                wd = wd.to(tl.float32)
-            acc_lo = mlp_step(x_lo, wg, wu, wd, acc_lo, ACT_DTYPE, UPCAST, DOT_PRECISION)
-            if has_hi:
-                acc_hi = mlp_step(x_hi, wg, wu, wd, acc_hi, ACT_DTYPE, UPCAST, DOT_PRECISION)
-    else:
-        if has_hi:
-            for j in range(0, INTER // BLOCK_N):
-                n0 = j * BLOCK_N
-                wg = wg_desc.load([bank * HEAD_DIM, n0])
-                wu = wu_desc.load([bank * HEAD_DIM, n0])
-                wd = wd_desc.load([bank * INTER + n0, 0])
-                if UPCAST:
-                    wg = wg.to(tl.float32)
-                    wu = wu.to(tl.float32)
-                    wd = wd.to(tl.float32)
-                acc_lo = mlp_step(x_lo, wg, wu, wd, acc_lo, ACT_DTYPE, UPCAST, DOT_PRECISION)
-                acc_hi = mlp_step(x_hi, wg, wu, wd, acc_hi, ACT_DTYPE, UPCAST, DOT_PRECISION)
-        else:
-            for j in range(0, INTER // BLOCK_N):
-                n0 = j * BLOCK_N
-                wg = wg_desc.load([bank * HEAD_DIM, n0])
-                wu = wu_desc.load([bank * HEAD_DIM, n0])
-                wd = wd_desc.load([bank * INTER + n0, 0])
-                if UPCAST:
-                    wg = wg.to(tl.float32)
-                    wu = wu.to(tl.float32)
-                    wd = wd.to(tl.float32)
-                acc_lo = mlp_step(x_lo, wg, wu, wd, acc_lo, ACT_DTYPE, UPCAST, DOT_PRECISION)
-    d = tl.arange(0, HEAD_DIM)
-    store_weighted_rows(acc_lo, rows_lo, mask_lo, d, probs_ptr, slots_ptr, rows_ptr,
-                        slot_route_ptr, stride_rows)
-    store_weighted_rows(acc_hi, rows_hi, mask_hi, d, probs_ptr, slots_ptr, rows_ptr,
-                        slot_route_ptr, stride_rows)
-
-
-@triton.jit
 def expert_mlp_tma_kernel(
     x_ptr,            # [S, H*Dh] input
     wg_desc,          # [H*E*Dh, I] gate weights, blocks [Dh, BLOCK_N]
@@ -256,49 +180,39 @@ def expert_mlp_tma_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ACT_DTYPE: tl.constexpr,  # the activation's rounding point (the weights' dtype)
-    HALVES: tl.constexpr,     # 0; 1/2: the block as two halves, the second skipped when empty
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Gate/up, SwiGLU7 and the down projection of a whole row block in one work item: each
     ``BLOCK_N``-wide slice of the activation is rounded to ``ACT_DTYPE`` (the same precision
     point as the two-kernel path) and multiplied into the fp32 ``[BLOCK_M, Dh]`` output
-    accumulator straight from registers, so the activation never goes to memory.
-
-    ``HALVES`` (``gu_variant="mlp_tma_halves"``): the block's rows as two ``BLOCK_M/2`` halves
-    sharing every weight tile, the second half's products skipped where it holds no route (a
-    bank's last block with at most ``BLOCK_M/2`` routes): weights stream once per ``BLOCK_M``
-    routes while a bank's rest pads only to ``BLOCK_M/2``. 1: the skip inside the loop over
-    ``I``; 2: one loop for both halves and one for the first alone."""
+    accumulator straight from registers, so the activation never goes to memory."""
     # while, not range(): Triton 3.6's interpreter takes no tensor bounds (CONTRACT section 8).
     num_blocks = tl.load(block_count_ptr)
     block = tl.program_id(0)
     while block < num_blocks:
         bank = tl.load(block_bank_ptr + block)
-        if HALVES:
-            mlp_halves(x_ptr, wg_desc, wu_desc, wd_desc, gather_ptr, probs_ptr, slots_ptr,
-                       offsets_ptr, block_start_ptr, rows_ptr, slot_route_ptr, block, bank,
-                       stride_x, stride_rows, num_experts, HEAD_DIM, INTER, BLOCK_M // 2,
-                       BLOCK_N, ACT_DTYPE, HALVES, UPCAST, DOT_PRECISION)
-        else:
-            rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
-            x_tile = block_x_rows(x_ptr, gather_ptr, rows, row_mask,
-                                  bank.to(tl.int64) // num_experts, stride_x, HEAD_DIM)
+        rows, row_mask = block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M)
+        x_tile = block_x_rows(x_ptr, gather_ptr, rows, row_mask, bank.to(tl.int64) // num_experts,
+                              stride_x, HEAD_DIM)
+        if UPCAST:
+            x_tile = x_tile.to(tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        for j in range(0, INTER // BLOCK_N):
+            n0 = j * BLOCK_N
+            wg = wg_desc.load([bank * HEAD_DIM, n0])
+            wu = wu_desc.load([bank * HEAD_DIM, n0])
+            wd = wd_desc.load([bank * INTER + n0, 0])
             if UPCAST:
-                x_tile = x_tile.to(tl.float32)
-            acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-            for j in range(0, INTER // BLOCK_N):
-                n0 = j * BLOCK_N
-                wg = wg_desc.load([bank * HEAD_DIM, n0])
-                wu = wu_desc.load([bank * HEAD_DIM, n0])
-                wd = wd_desc.load([bank * INTER + n0, 0])
-                if UPCAST:
-                    wg = wg.to(tl.float32)
-                    wu = wu.to(tl.float32)
-                    wd = wd.to(tl.float32)
-                acc = mlp_step(x_tile, wg, wu, wd, acc, ACT_DTYPE, UPCAST, DOT_PRECISION)
-            store_weighted_rows(acc, rows, row_mask, tl.arange(0, HEAD_DIM), probs_ptr,
-                                slots_ptr, rows_ptr, slot_route_ptr, stride_rows)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+                wd = wd.to(tl.float32)
+            g = tl.dot(x_tile, wg, input_precision=DOT_PRECISION)
+            u = tl.dot(x_tile, wu, input_precision=DOT_PRECISION)
+            a = round_operand(swiglu7(g, u), ACT_DTYPE, UPCAST)
+            acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
+        store_weighted_rows(acc, rows, row_mask, tl.arange(0, HEAD_DIM), probs_ptr, slots_ptr,
+                            rows_ptr, slot_route_ptr, stride_rows)
         block += tl.num_programs(0)
 
 

@@ -29,7 +29,7 @@ from ..weights import ExpertWeights
 from .descriptors import banked_problem, matrix_rows_problem
 from .device import DeviceFacts, persistent_grid
 from .schedule import cdiv, max_blocks, schedule_programs
-from .tiles import ONE_KERNEL_VARIANTS, FusedTiles, two_kernel_tiles
+from .tiles import FusedTiles, two_kernel_tiles
 
 SCHEDULE = "block_schedule_kernel"
 EXPERT_MLP = "expert_mlp_tma_kernel"
@@ -168,7 +168,7 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
             steps.append(LaunchStep(SCHEDULE, schedule_programs(
                 num_routes, config.num_banks, tiles.block_m, facts), tiles))
         expert = tiles
-        if tiles.gu_variant in ONE_KERNEL_VARIANTS:
+        if tiles.gu_variant == "mlp_tma":
             one = LaunchStep(EXPERT_MLP, persistent_grid(nb, tiles.gu_programs_per_sm, facts), tiles)
             why = _one_kernel_problems(config, facts, weights)
             if not why and facts.shared_memory is not None and shared_memory_of is not None:
@@ -177,8 +177,7 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
                     why.append(f"{EXPERT_MLP} compiled for these tiles needs {need / 1024:.1f} KiB "
                                f"of shared memory > the GPU's {facts.shared_memory / 1024:.1f} KiB")
             if why:
-                reasons.append(f"gu_variant {tiles.gu_variant!r} -> {GATE_UP} + {DOWN}: "
-                               + "; ".join(why))
+                reasons.append(f"gu_variant 'mlp_tma' -> {GATE_UP} + {DOWN}: " + "; ".join(why))
                 expert = two_kernel_tiles(tiles, config)
             else:
                 steps.append(one)

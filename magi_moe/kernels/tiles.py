@@ -35,11 +35,7 @@ OVERRIDE_ENV = "MAGI_MOE_FUSED_TILES"
 # "kloop": K-loop per column tile; "tma": kloop with weight tiles by tensor descriptor;
 # "tma_gathered": x rows gathered first, both operands by descriptor; "mlp_tma": gate/up and
 # the down projection of a whole row block in one work item (kernels/fused_tma.py).
-# "mlp_tma_halves" / "mlp_tma_halves_outer": the same on a block as two halves sharing the
-# weight tiles, the second skipped when empty (inside the loop over I / with a loop per case).
-GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered", "mlp_tma", "mlp_tma_halves",
-                    "mlp_tma_halves_outer")
-ONE_KERNEL_VARIANTS = ("mlp_tma", "mlp_tma_halves", "mlp_tma_halves_outer")
+GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered", "mlp_tma")
 ACT_STORES = ("ptr", "tma")
 DOWN_VARIANTS = ("ptr", "tma")
 
@@ -143,7 +139,7 @@ def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
     the portable tiles at the entry's ``block_m``, so a block schedule already built for it
     still fits. A one-kernel entry's own gu_* fields size a whole-head reduction and would not
     fit a K loop's stages. Other tiles come back unchanged."""
-    if tiles.gu_variant not in ONE_KERNEL_VARIANTS:
+    if tiles.gu_variant != "mlp_tma":
         return tiles
     warps = 8 if tiles.block_m >= 128 else 4
     return replace(PORTABLE_TILES, block_m=tiles.block_m, gu_warps=warps, down_warps=warps,
