@@ -61,6 +61,8 @@ DOWN_CANDIDATES = tuple(c for group in (
 SUM_CANDIDATES = ((8, 4), (16, 4), (32, 4), (32, 8))
 ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
     (16, 64, 4, 4), (32, 64, 4, 4), (32, 64, 8, 8), (16, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 4),
+    # more tokens per program: the head's gate (256 KiB in fp32) is read once per token block
+    (64, 32, 8, 4), (64, 32, 16, 4), (64, 64, 16, 4), (128, 32, 16, 4), (32, 16, 8, 4),
 )
 
 
@@ -199,7 +201,9 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                     want_rows = rows.clone()
                 return _same_bits(rows, want_rows)
             attempt("mlp", cand, mlp, check)
-    for bt, warps in (SUM_CANDIDATES if "sum" in kernels else ()):
+    # the sum reads the slot map an expert kernel wrote: no expert kernel, no sum
+    experts = {"gate_up", "down", "mlp"} & set(kernels)
+    for bt, warps in (SUM_CANDIDATES if "sum" in kernels and experts else ()):
         tiles = FusedTiles(sum_block_t=bt, sum_warps=warps)
         attempt("sum", {"sum_block_t": bt, "sum_warps": warps},
                 steps(call, tiles, P.TOPK_SUM), lambda: True)
@@ -303,7 +307,7 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
               kernels: tuple[str, ...] = SWEPT_KERNELS) -> dict:
     """Sweep every case, group the cases by routes per bank, write the winners per group
     (``merge``: into the tabled classes they fall in, keeping the rest of the table)."""
-    from ..kernels.tiles import load_device_entry, write_tile_table
+    from ..kernels.tiles import load_device_entry, load_tile_table, write_tile_table
 
     per_case = {}
     for case in cases:
@@ -321,9 +325,13 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
         groups.setdefault(round(entry["routes_per_bank"], 3), []).append(entry["sweep"])
     centres = sorted(groups)
     classes = []
-    for i, c in enumerate(centres):
+    experts_swept = bool({"gate_up", "down", "mlp"} & set(kernels))
+    for i, c in enumerate(centres if experts_swept else ()):
         edge = math.sqrt(c * centres[i + 1]) if i + 1 < len(centres) else None
         classes.append((edge, best_tiles(groups[c])))
+    if not experts_swept and device.type == "cuda":  # routing only: the tabled classes stay
+        tabled = load_tile_table(torch.cuda.get_device_name(device)) or []
+        classes = [(None if math.isinf(edge) else edge, tiles) for edge, tiles in tabled]
     routing = (best_routing([e["sweep"] for e in per_case.values()])
                if not merge and "routing" in kernels else None)
     if merge and device.type == "cuda":
@@ -336,14 +344,16 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
         routing = (load_device_entry(torch.cuda.get_device_name(device)) or {}).get("routing")
     summary = {"per_case": per_case, "routing": routing,
                "classes": [{"max_routes_per_bank": e, "tiles": asdict(t)} for e, t in classes]}
-    if write and device.type == "cuda":
+    if write and device.type == "cuda" and classes:
         name = torch.cuda.get_device_name(device)
         match = "H200" if "H200" in name else name
         path = write_tile_table(match, classes, routing=routing,
                                 note=f"swept on {name} by magi_moe.bench --sweep "
                                      f"(kernels {','.join(kernels)}), {time.strftime('%Y-%m-%d')}"
                                      + ("" if "routing" in kernels and not merge
-                                        else "; routing tiles kept from the previous entry"))
+                                        else "; routing tiles kept from the previous entry")
+                                     + ("" if experts_swept
+                                        else "; expert tiles kept from the previous entry"))
         summary["written"] = str(path)
     return summary
 
