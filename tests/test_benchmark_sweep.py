@@ -92,3 +92,22 @@ def test_sweep_kernels_always_include_the_sum():
     except SystemExit:
         pytest.skip("--device cpu needs TRITON_INTERPRET=1 set before the run")
     assert args.sweep_kernels == ("mlp", "sum")
+
+
+def test_routing_candidates_are_compared_by_the_experts_each_row_chose():
+    """A near-tie flipped in one of 10,000 rows keeps a routing candidate (the CSR positions
+    of later routes would all have moved); a flip in one row of 100 does not; the order of the
+    picks within a row does not matter."""
+    import torch
+
+    from magi_moe.bench.sweep import ROUTING_AGREEMENT, same_choices
+
+    gen = torch.Generator().manual_seed(5)
+    want = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(10_000)]).view(
+        5_000, 2, 4).to(torch.int32)
+    got = want.flip(-1).clone()
+    assert same_choices(got, want) == 1.0
+    got[17, 1, 0] = (set(range(16)) - set(want[17, 1].tolist())).pop()
+    assert same_choices(got, want) == 1 - 1 / 10_000 >= ROUTING_AGREEMENT
+    assert same_choices(got[:50], want[:50]) == 0.99 < ROUTING_AGREEMENT
+    assert same_choices(got[:0], want[:0]) == 1.0

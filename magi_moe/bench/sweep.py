@@ -217,18 +217,33 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
 
         # Routing tiles may change bits (block_d orders the logits' sums): a GPU has one routing
         # entry, whatever the problem, so no token's result depends on the problem's shape. The
-        # same table but for near-ties flipped by that order, probabilities within fp32 rounding.
+        # same experts for all but near-ties flipped by that order, probabilities finite.
         def check():
             nonlocal want_ids
             fr = route_once()
-            got = (fr.table.route_slots.clone(), fr.table.sorted_probs.clone())
+            got = fr.expert_ids.clone()
             if want_ids is None:
                 want_ids = got
-            same_slots = float((got[0] == want_ids[0]).double().mean()) >= 0.999
-            return same_slots and bool(torch.isfinite(got[1]).all())
+            return (same_choices(got, want_ids) >= ROUTING_AGREEMENT
+                    and bool(torch.isfinite(fr.probs).all()))
         attempt("routing", {"block_s": bs, "block_d": bd, "warps": warps, "place_warps": pwarps},
                 route_once, check)
     return results
+
+
+# Share of (token, head) rows that must choose the same experts as the reference candidate.
+ROUTING_AGREEMENT = 0.999
+
+
+def same_choices(ids: torch.Tensor, want: torch.Tensor) -> float:
+    """Share of (token, head) rows of ``[S, H, K]`` expert ids choosing the same set as
+    ``want``. Compared per row, not by CSR position: one near-tie flip moves the CSR position
+    of every later route of both banks involved, which failed every ``block_d`` but the
+    reference's at S=16384 (session 6, device call 6)."""
+    if ids.numel() == 0:
+        return 1.0
+    same = (ids.sort(dim=-1).values == want.sort(dim=-1).values).all(dim=-1)
+    return float(same.double().mean())
 
 
 def _key(tiles: dict) -> tuple:
