@@ -364,7 +364,8 @@ def run_sweep(cases: list[BenchCase], *, device: torch.device, warmup: int, iter
         match = "H200" if "H200" in name else name
         path = write_tile_table(match, classes, routing=routing,
                                 note=f"swept on {name} by magi_moe.bench --sweep "
-                                     f"(kernels {','.join(kernels)}), {time.strftime('%Y-%m-%d')}"
+                                     f"(kernels {','.join(k for k in kernels if experts_swept or k != 'sum')}), "
+                                     f"{time.strftime('%Y-%m-%d')}"
                                      + ("" if "routing" in kernels and not merge
                                         else "; routing tiles kept from the previous entry")
                                      + ("" if experts_swept
