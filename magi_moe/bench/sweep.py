@@ -21,9 +21,9 @@ from .timing import time_one
 # Earlier versions (NOTES-perf.md) also tried flattened loops, "wide" kernels that loaded a
 # block's x rows once (pointer and descriptor forms), BK=16, 64x256 tiles, register caps and
 # Triton's warp specialisation (wrong outputs on Triton 3.6): slower or wrong, dropped.
-def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr"):
+def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr", maxnreg=0):
     tiles = dict(gu_variant=variant, block_m=bm, gu_block_n=bn, gu_block_k=bk, gu_warps=warps,
-                 gu_stages=stages, gu_act_store=act)
+                 gu_stages=stages, gu_act_store=act, **({"gu_maxnreg": maxnreg} if maxnreg else {}))
     return [{**tiles, "gu_programs_per_sm": p} for p in ppsm]
 
 
@@ -53,6 +53,10 @@ MLP_CANDIDATES = tuple(c for group in (
     # two warpgroups, one per 64 rows: the activation stays in the warpgroup that made it
     _gu("mlp_tma", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,)),
     _gu("mlp_tma", 128, 16, 256, 8, 4, (1,)),
+    # 64 rows on two warpgroups (each MMA split along N): screened without a GPU by
+    # scripts/inspect_kernel.py (164 registers, no spills; capped at 128 still none, which lets
+    # two such programs, 16 warps, share an SM); not yet timed
+    _gu("mlp_tma", 64, 16, 256, 8, 3, (1,)), _gu("mlp_tma", 64, 16, 256, 8, 3, (2,), maxnreg=128),
 ) for c in group)
 DOWN_CANDIDATES = tuple(c for group in (
     _dn(64, 128, 64, 4, 4, (2,)), _dn(128, 256, 64, 8, 3, (1,)),
