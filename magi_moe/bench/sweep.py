@@ -67,7 +67,7 @@ ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
     (16, 64, 4, 4), (32, 64, 4, 4), (32, 64, 8, 8), (16, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 4),
     # more tokens per program (the head's gate, 256 KiB in fp32, is read once per token block)
     # and shorter gate slices: slower on the H200 (NOTES-perf version 7), kept for other GPUs;
-    # 16-warp forms with 64-128 tokens (3-8x slower, or over shared memory) were dropped
+    # 16-warp forms with 64-128 tokens (5-9x slower, or over shared memory) were dropped
     (64, 32, 8, 4), (32, 16, 8, 4),
 )
 
