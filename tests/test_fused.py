@@ -477,6 +477,23 @@ def test_fused_router_tie_rule_and_nan_last(device):
         assert fr.expert_ids[0, 1].tolist() == [2, 3, 4, 5, 6, 7, 0, 1]
 
 
+@pytest.mark.parametrize("nan_expert", [0, 9, 15], ids=["first", "middle", "last"])
+def test_fused_router_nan_selection_unpicked_is_not_a_route(device, nan_expert):
+    """K < E with one expert's selection NaN for every token: it ranks last and is never
+    picked, so it must hold no route. With E = 16 (the kernel's padded width, so no padded
+    experts) the last index once had the same top-K key as a taken expert and was counted as
+    one route per token: the table's offsets claimed 8 routes more than were placed."""
+    cfg = preset("tiny").replace(num_experts=16, top_k=2)
+    gen = torch.Generator().manual_seed(nan_expert)
+    x = torch.randn(8, cfg.hidden_size, generator=gen).bfloat16().to(device)
+    gate = (torch.randn(cfg.num_banks, cfg.head_dim, generator=gen) / 4).to(device)
+    bias = torch.zeros(cfg.num_banks, device=device)
+    bias[nan_expert] = float("nan")  # head 0
+    fr = fused_route(x, gate, bias, cfg)
+    assert_same_routing(fr, route(x, gate, bias, cfg), cfg)
+    assert int(fr.table.counts()[nan_expert]) == 0
+
+
 def test_fused_router_empty_input(device):
     cfg = preset("tiny")
     x = torch.empty(0, cfg.hidden_size, dtype=torch.bfloat16, device=device)

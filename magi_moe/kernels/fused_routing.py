@@ -122,10 +122,13 @@ def router_topk_kernel(
     # the higher selection and, among equal selections, the lower index (the tie rule of
     # magi_moe.routing.select_experts). -0.0 is made +0.0 first (they are equal selections);
     # NaN ranks strictly last, below -inf, the lower index first. Taken or padded experts get
-    # the smallest key. One reduction per pick, where comparing values and indices took four.
+    # the smallest int64, which no real expert's key may equal: NaN's high word is therefore
+    # INT32_MIN + 1, not INT32_MIN (with that, a NaN expert at index E_PAD - 1, whose low word
+    # is 0, read as taken and was counted as a route; tests/test_fused.py). One reduction per
+    # pick, where comparing values and indices took four.
     bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)         # signed order == float order
-    ordered = tl.where(selection == selection, ordered, -2147483648)  # NaN: below -inf
+    ordered = tl.where(selection == selection, ordered, -2147483647)  # NaN: below -inf
     low = (E_PAD - 1 - e).to(tl.int64)
     key = tl.where(e_mask[None, :] & (s[:, None] >= 0),
                    (ordered.to(tl.int64) << 32) | low[None, :], -9223372036854775808)
