@@ -61,3 +61,29 @@ def test_benchmark_table_keeps_long_names_whole():
     for label in labels:
         assert label in text
     assert "1.250" in text and "2.50e-03" in text
+
+
+def test_a_replay_is_compared_by_what_it_wrote():
+    """The graph rows' bitwise check: a replay returns the captured call's output (a bare
+    ``CUDAGraph.replay`` returns None, which once made every graph row pass unchecked)."""
+    import torch
+
+    from magi_moe.bench.timing import _Replay, matches_eager
+
+    out = torch.zeros(4)
+
+    def eager():
+        out.copy_(torch.arange(4.0))
+        return out
+
+    class Graph:  # stands in for torch.cuda.CUDAGraph: replay() rewrites out, returns None
+        def __init__(self, values):
+            self.values = values
+
+        def replay(self):
+            out.copy_(self.values)
+
+    assert matches_eager(eager, _Replay(Graph(torch.arange(4.0)), out)) is True
+    assert matches_eager(eager, _Replay(Graph(torch.tensor([0.0, 1.0, 2.0, -3.0])), out)) is False
+    assert matches_eager(eager, Graph(torch.arange(4.0)).replay) is False  # returns no tensor
+    assert matches_eager(lambda: None, eager) is None

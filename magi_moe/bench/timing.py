@@ -71,8 +71,8 @@ def graph_paths(fns: dict[str, Callable[[], object]], layers: dict[str, torch.nn
     failed: dict[str, str] = {}
     for name, fn in fns.items():
         try:
-            graph, _ = capture(fn, warmup=3)
-            made[f"{name} graph"] = graph.replay
+            graph, captured = capture(fn, warmup=3)
+            made[f"{name} graph"] = _Replay(graph, captured)
         except Exception as exc:  # noqa: BLE001 -- reported in the JSON and the table's notes
             failed[f"{name} graph"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     for name, layer in layers.items():
@@ -84,6 +84,29 @@ def graph_paths(fns: dict[str, Callable[[], object]], layers: dict[str, torch.nn
         except Exception as exc:  # noqa: BLE001
             failed[f"{name} compiled"] = f"{type(exc).__name__}: {str(exc)[:200]}"
     return made, failed
+
+
+class _Replay:
+    """``graph.replay()`` as a path that returns what the captured call returned (its tensors,
+    rewritten by the replay), so the replay's output can be compared with the eager path's."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, captured: object):
+        self.graph, self.captured = graph, captured
+
+    def __call__(self) -> object:
+        self.graph.replay()
+        return self.captured
+
+
+def matches_eager(eager: Callable[[], object], other: Callable[[], object]) -> bool | None:
+    """Whether ``other()`` gives bit for bit what ``eager()`` gives; None where the eager path
+    returns no tensor (nothing to compare). An ``other`` that returns no tensor does not match."""
+    want = eager()
+    if not isinstance(want, torch.Tensor):
+        return None
+    want = want.clone()  # the other path may write the same buffer
+    got = other()
+    return isinstance(got, torch.Tensor) and same_bits(got, want)
 
 
 def summarize(samples: list[float]) -> dict:
@@ -104,13 +127,9 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
         layers = {n: getattr(f, "layer") for n, f in fns.items() if hasattr(f, "layer")}
         made, not_built = graph_paths(fns, layers, problem.x)
         for name, fn in made.items():  # each replay gives the eager path's bits (deterministic)
-            base = name.rsplit(" ", 1)[0]
-            want = fns[base]()
-            if isinstance(want, torch.Tensor):
-                want = want.clone()
-                got = fn()
-                got = got if isinstance(got, torch.Tensor) else None
-                checks[name] = {"bitwise_equal_eager": got is None or same_bits(got, want)}
+            same = matches_eager(fns[name.rsplit(" ", 1)[0]], fn)
+            if same is not None:
+                checks[name] = {"bitwise_equal_eager": same}
         fns = {**fns, **made}
     best: dict[str, dict] = {}
     for _ in range(rounds):
