@@ -138,6 +138,25 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
     def chosen(candidates, kernel):
         return [c for c in candidates if kernel in kernels and c["block_m"] == bm]
 
+    def time_rows(kernel, cand, tiles, launched):
+        """Time one candidate that writes the expert rows, checked bit for bit (NaN-poisoned
+        first) against the first rows any candidate made."""
+        launch = None
+
+        def run():
+            nonlocal launch
+            launch = launch or steps(call, tiles, *launched)
+            launch()
+
+        def check():
+            nonlocal want_rows
+            rows.fill_(float("nan"))
+            run()
+            if want_rows is None:
+                want_rows = rows.clone()
+            return _same_bits(rows, want_rows)
+        attempt(kernel, cand, run, check)
+
     want_rows = None
     for bm in sorted({c["block_m"] for c in GATE_UP_CANDIDATES + DOWN_CANDIDATES
                       + MLP_CANDIDATES}):
@@ -173,40 +192,12 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
                     want_act = act[:live].clone()
                 return _same_bits(act[:live], want_act) and _same_bits(got, want_act)
             attempt("gate_up", cand, gate_up, check)
-        for cand in chosen(DOWN_CANDIDATES, "down"):
-            tiles = FusedTiles(**cand).fitted(cfg)
-            launch = None
-
-            def down():
-                nonlocal launch
-                launch = launch or steps(call, tiles, P.DOWN, P.DOWN_TMA)
-                launch()
-
-            def check():
-                nonlocal want_rows
-                rows.fill_(float("nan"))
-                down()
-                if want_rows is None:
-                    want_rows = rows.clone()
-                return _same_bits(rows, want_rows)
-            attempt("down", cand, down, check)
-        for cand in chosen(MLP_CANDIDATES, "mlp"):
-            tiles = FusedTiles(**cand).fitted(cfg)
-            launch = None
-
-            def mlp():
-                nonlocal launch
-                launch = launch or steps(call, tiles, P.EXPERT_MLP)
-                launch()
-
-            def check():
-                nonlocal want_rows
-                rows.fill_(float("nan"))
-                mlp()
-                if want_rows is None:
-                    want_rows = rows.clone()
-                return _same_bits(rows, want_rows)
-            attempt("mlp", cand, mlp, check)
+        # down (reading the activations above) and the one-kernel candidates write the same
+        # rows: every one must give the first rows made, whatever its block size
+        for kernel, candidates, launched in (("down", DOWN_CANDIDATES, (P.DOWN, P.DOWN_TMA)),
+                                             ("mlp", MLP_CANDIDATES, (P.EXPERT_MLP,))):
+            for cand in chosen(candidates, kernel):
+                time_rows(kernel, cand, FusedTiles(**cand).fitted(cfg), launched)
     # the sum reads the slot map an expert kernel wrote: no expert kernel, no sum
     experts = {"gate_up", "down", "mlp"} & set(kernels)
     for bt, warps in (SUM_CANDIDATES if "sum" in kernels and experts else ()):
