@@ -260,10 +260,11 @@ def _faithfulness(out: torch.Tensor, problem: Problem, ref: torch.Tensor, precis
     if within < FAITHFUL_FRACTION or gap_rel / scale > FAITHFUL_GAP:
         # The model fixes the rounding points, not the order of the fp32 sums. Where sums
         # cancel (the adversarial probes), the order alone moves outputs by several ulps. The
-        # same emulation summed in two other orders shows which elements the order can move
-        # beyond one ulp: the one-ulp count is taken over the others (a kernel rounding at other
-        # points fails there: truncated bf16 roundings left 25% beyond one ulp), and the gap may
-        # grow by twice the larger reordered emulation's own distance (two draws of one spread).
+        # same emulation summed in the other orders of ORDER_SEEDS shows which elements the order
+        # can move beyond one ulp: the one-ulp count is taken over the others (a kernel rounding
+        # at other points fails there: truncated bf16 roundings left 25% beyond one ulp), and the
+        # gap may grow by twice the largest reordered emulation's own distance (two draws of one
+        # spread).
         spread = torch.zeros_like(gap)
         for seed in ORDER_SEEDS:
             other = expert_reference(*_fields(reordered_problem(p, seed)), precision=precision)

@@ -40,9 +40,13 @@ class FusedWorkspace:
         last = self._views.get(name)
         if last is not None and last[0] == shape and last[1] is dtype:
             view = last[2]
-            if debug._poison:  # noqa: SLF001
-                view.fill_(float("nan") if dtype.is_floating_point else -1)
-            return view
+        else:
+            view = self._new_view(name, shape, dtype)
+        if debug._poison:  # noqa: SLF001 (the debug switch is module state by design)
+            view.fill_(float("nan") if dtype.is_floating_point else -1)
+        return view
+
+    def _new_view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
@@ -53,8 +57,6 @@ class FusedWorkspace:
             self.allocations += 1
         view = buf[:numel].view(shape)
         self._views[name] = (shape, dtype, view)
-        if debug._poison:  # noqa: SLF001 (the debug switch is module state by design)
-            view.fill_(float("nan") if dtype.is_floating_point else -1)
         return view
 
     def nbytes(self) -> int:
