@@ -9,7 +9,8 @@ Compiles ``expert_mlp_tma_kernel`` for sm_90 (``--arch``) with the installed Tri
 ``ptxas`` and ``nvdisasm``; no driver, no GPU; TRITON_INTERPRET must be unset), specialised as
 a real launch would be (pointer and stride divisibility by 16), and prints per tiles: shared
 memory, registers per thread, spilled bytes, and the innermost loop that issues Hopper MMAs
-(HGMMA): its instructions and HGMMAs per trip and its local-memory spills (STL/LDL).
+(HGMMA): its instructions and HGMMAs per trip, how many of those take their first operand from
+registers ("reg A"; the rest read both from shared memory), and its local-memory spills.
 
 Why it exists (NOTES-perf.md, version 7): three kernel shapes were written, passed their
 bitwise tests on the H200 and were 1.1-4x slower; here, on Triton 3.6, each shows it at once.
@@ -144,6 +145,10 @@ def innermost_mma_loop(lines: list[tuple[int, str]], labels: dict[str, int]) -> 
                     for i in body)
         if hgmma and (best is None or len(body) < best["instructions"]):
             best = {"instructions": len(body), "hgmma": hgmma,
+                    # "HGMMA.64x16x16.F32.BF16 R160, R156, gdesc[..]": the first operand from
+                    # registers; "R160, gdesc[..]": both operands from shared memory
+                    "hgmma_register_a": sum(bool(re.search(r"HGMMA\S* R\d+, R\d+, gdesc", i))
+                                            for i in body),
                     "spill_stores": sum("STL" in i for i in body),
                     "spill_loads": sum("LDL" in i for i in body)}
     return best
@@ -198,13 +203,14 @@ def main(argv=None) -> int:
     results = [inspect(t.fitted(cfg), head_dim=args.head_dim, inter=args.inter, arch=args.arch)
                for t in chosen]
     print(f"{'block_m':>7} {'bn':>4} {'warps':>5} {'stages':>6} {'smem KiB':>9} {'regs':>5} "
-          f"{'spill B':>8} {'loop instr':>10} {'HGMMA':>6} {'loop STL/LDL':>12}")
+          f"{'spill B':>8} {'loop instr':>10} {'HGMMA':>6} {'reg A':>6} {'loop STL/LDL':>12}")
     for r in results:
         t, loop = r["tiles"], r["inner_loop"] or {}
         print(f"{t['block_m']:>7} {t['gu_block_n']:>4} {t['gu_warps']:>5} {t['gu_stages']:>6} "
               f"{r['shared_bytes'] / 1024:>9.1f} {r['registers'] or '-':>5} "
               f"{r['spilled_bytes'] if r['spilled_bytes'] is not None else '-':>8} "
               f"{loop.get('instructions', '-'):>10} {loop.get('hgmma', '-'):>6} "
+              f"{loop.get('hgmma_register_a', '-'):>6} "
               f"{str(loop.get('spill_stores', '-')) + '/' + str(loop.get('spill_loads', '-')):>12}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -29,21 +29,30 @@ def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT, timeout=300)
 
 
-@pytest.mark.skipif(not (NVIDIA_TOOLS / "nvdisasm").exists(),
-                    reason="this Triton ships no NVIDIA tools (nvdisasm, ptxas)")
-def test_the_plain_one_kernel_loop_is_one_warpgroup_of_mmas_without_spills(tmp_path):
-    """BM=64, 16-wide slices, 4 warps: each trip of the loop over I is the gate and up dots over
-    Dh=256 in 16-deep MMAs (16 each) and one down MMA: 33 HGMMAs, no local-memory traffic."""
+needs_tools = pytest.mark.skipif(not (NVIDIA_TOOLS / "nvdisasm").exists(),
+                                 reason="this Triton ships no NVIDIA tools (nvdisasm, ptxas)")
+
+
+def _inner_loop(tmp_path, **tiles) -> dict:
     out = tmp_path / "inspect.json"
     run = _run("--tiles", json.dumps({"block_m": 64, "gu_block_n": 16, "gu_warps": 4,
-                                      "gu_stages": 3}), "--json", str(out))
+                                      "gu_stages": 3, **tiles}), "--json", str(out))
     assert run.returncode == 0, run.stderr[-2000:]
     (result,) = json.loads(out.read_text())
-    loop = result["inner_loop"]
-    assert loop is not None, "no loop issuing HGMMAs was found"
+    assert 0 < result["shared_bytes"] <= 232448 and result["registers"] <= 255
+    assert result["inner_loop"] is not None, "no loop issuing HGMMAs was found"
+    return result["inner_loop"]
+
+
+@needs_tools
+def test_the_plain_one_kernel_loop_is_one_warpgroup_of_mmas_without_spills(tmp_path):
+    """BM=64, 16-wide slices, 4 warps: each trip of the loop over I is the gate and up dots over
+    Dh=256 in 16-deep MMAs (16 each) and one down MMA: 33 HGMMAs, no local-memory traffic.
+    With x in shared memory only the down MMA (the activation) takes a register operand."""
+    loop = _inner_loop(tmp_path)
     assert loop["hgmma"] == 2 * 256 // 16 + 16 // 16
     assert (loop["spill_stores"], loop["spill_loads"]) == (0, 0)
-    assert 0 < result["shared_bytes"] <= 232448 and result["registers"] <= 255
+    assert loop["hgmma_register_a"] == 1
 
 
 def test_it_refuses_to_run_under_the_interpreter():

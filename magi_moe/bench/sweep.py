@@ -53,11 +53,11 @@ MLP_CANDIDATES = tuple(c for group in (
     # two warpgroups, one per 64 rows: the activation stays in the warpgroup that made it
     _gu("mlp_tma", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,)),
     _gu("mlp_tma", 128, 16, 256, 8, 4, (1,)),
-    # 64 rows on two warpgroups (each MMA split along N): screened without a GPU by
-    # scripts/inspect_kernel.py (164 registers, no spills; capped at 128 still none, which lets
-    # two such programs, 16 warps, share an SM); not yet timed
-    _gu("mlp_tma", 64, 16, 256, 8, 3, (1,)), _gu("mlp_tma", 64, 16, 256, 8, 3, (2,), maxnreg=128),
 ) for c in group)
+# Timed in session 7 and dropped (NOTES-perf version 8): 64 rows on two warpgroups (each MMA
+# split along N), 2.9-3.3x slower than on one, with or without a 128-register cap and two
+# programs per SM; x as the gate/up MMAs' register operand, and gate and up as one dot of twice
+# the columns, 10-25% slower than the forms above.
 DOWN_CANDIDATES = tuple(c for group in (
     _dn(64, 128, 64, 4, 4, (2,)), _dn(128, 256, 64, 8, 3, (1,)),
     _dn(64, 128, 64, 4, 4, (2,), variant="tma"), _dn(128, 256, 64, 8, 3, (1,), variant="tma"),
