@@ -6,6 +6,9 @@ tests show that the fuzzer built for it catches it within the CI budget.
   ``2^31 / (H*Dh)`` it reads a wild address (SIGSEGV under the interpreter).
 * :func:`route_ties_to_higher_index`: a router whose ties go to the *higher* expert index (as an
   ``if score >= best`` scan does), the cross-device top-k tie problem of PyTorch #127196.
+* :func:`table_counts_unpicked_nan`: a router whose choices are right but whose own route table
+  counts an unpicked NaN expert once per token (the fused router's session-6 fault: a NaN key
+  equal to the "taken" sentinel), in plain torch.
 * ``empty_expert_garbage``: a padded-block path whose block for an expert with no routes is not
   masked: it reads the neighbouring route's token and probability and adds the empty expert's
   output there (MSLK #158, SGLang #25137).
@@ -42,6 +45,7 @@ import triton.language as tl
 __all__ = ["CachedToyLayer", "SnapshotCache", "VersionKeyedCache", "drops_last_token",
            "empty_expert_garbage", "int32_offsets", "launch_native_int32", "no_routes_leaves_output_unwritten",
            "reads_next_head", "route_ties_to_higher_index", "segfault_from_three_tokens",
+           "table_counts_unpicked_nan",
            "snapshot_cache_layer", "stale_cache_layer", "weight_applied_twice", "writes_one_row_late"]
 from magi_moe.backends import interpreter_enabled
 from magi_moe.config import MoEConfig
@@ -53,6 +57,7 @@ from magi_moe.implementation import Implementation, RowLauncher
 from magi_moe.routing import (Routes, build_route_table, route, route_probs, router_logits,
                               scores_from_logits)
 from magi_moe.weights import ExpertWeights
+from magi_moe.kernels.fused_routes import TabledRoutes
 
 
 # -- int32 offsets ----------------------------------------------------------------------------------
@@ -147,6 +152,20 @@ def route_ties_to_higher_index(x, gate, bias, config: MoEConfig, *, dtype=torch.
     flipped = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :config.top_k]
     ids = (E - 1) - flipped  # BUG (on purpose): scanning from the top index keeps the last tie
     return Routes(expert_ids=ids, probs=route_probs(scores, ids, config))
+
+
+# -- right choices, wrong table --------------------------------------------------------------------
+def table_counts_unpicked_nan(x, gate, bias, config: MoEConfig) -> TabledRoutes:
+    """``magi_moe.routing.route``'s choices, and their table with one phantom route per token in
+    the first bank whose selection bias is NaN (unpicked: NaN ranks last)."""
+    routes = route(x, gate, bias, config)
+    table = build_route_table(routes, config)
+    if bias is not None and bool(torch.isnan(bias).any()):
+        bank = int(torch.isnan(bias).nonzero()[0, 0])
+        offsets = table.offsets.clone()
+        offsets[bank + 1:] += x.shape[0]  # BUG (on purpose): counted, never placed
+        table = dataclasses.replace(table, offsets=offsets)
+    return TabledRoutes(routes.expert_ids, routes.probs, table)
 
 
 # -- an empty expert's block writes garbage -----------------------------------------------------------

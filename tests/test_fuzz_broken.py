@@ -19,7 +19,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from magi_moe.fuzz import fuzzers
-from magi_moe.fuzz.cases import HugeCase, case_from_dict, first_overflowing_token
+from magi_moe.fuzz.cases import HugeCase, TieCase, case_from_dict, first_overflowing_token
 from magi_moe.fuzz.properties import check_huge_offsets, make_target
 from magi_moe.fuzz.record import PropertyViolation
 from magi_moe.fuzz.stateful import weight_swap_machine
@@ -91,6 +91,19 @@ def test_each_property_catches_its_broken_variant(name):
         _rerun(prop, record)
     _rerun(prop, {**record, prop.on.record_key: catch.correct})  # the same case, done right
     fuzzers.search(prop, prop.on.load(catch.correct, catch.backend), settings=quick(catch.examples))
+
+
+def test_tie_rule_holds_a_router_to_the_table_it_built_itself():
+    """Right choices, wrong table: the tie rule's ranking passes, its table check does not. The
+    nan-bias kind always makes head 0's last expert NaN (where a padded kernel keeps its
+    sentinels); with K < E it is never picked and must hold no route."""
+    prop = fuzzers.PROPERTIES["tie_rule"]
+    case = TieCase(preset("tiny").replace(num_experts=16, top_k=2), 8, "nan-bias", seed=3)
+    broken = prop.on.load(f"{BROKEN}:table_counts_unpicked_nan", "cpu")
+    with pytest.raises(PropertyViolation, match="own route table is not the table of its "
+                                                "choices: offsets differs first at index"):
+        prop.run(broken, case, {})
+    prop.run(prop.on.load("magi_moe.routing:route", "cpu"), case, {})  # no table: not asked
 
 
 def test_int32_offsets_are_invisible_below_the_boundary():
