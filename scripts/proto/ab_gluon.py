@@ -65,9 +65,13 @@ def median_ms(fn, flush, iters=30, warmup=5):
 
 
 def main():
+    """``--case H,S``: one case only (e.g. for Nsight Compute)."""
+    cases = ANCHOR_CASES
+    if "--case" in sys.argv:
+        cases = (tuple(int(v) for v in sys.argv[sys.argv.index("--case") + 1].split(",")),)
     device = torch.device("cuda")
     flush = torch.empty(512 << 20, dtype=torch.uint8, device=device)
-    for heads, tokens in ANCHOR_CASES:
+    for heads, tokens in cases:
         p = draw_problem(BenchCase(heads, tokens), device)
         cfg = p.config
         weights = pack_expert_weights(p.weights)
