@@ -12,19 +12,23 @@ not the consumer, is what is measured; an MMA consumer is also what makes Triton
 the loads).
 Programs walk the banks round-robin over a working set small enough to stay in L2 (8 and
 24 MiB) or far too big for it (1.5 GiB: memory bandwidth, for comparison). Timed with CUDA
-events after a warm-up, median of 20; bandwidth = bytes the programs read / time.
+events (magi_moe.bench.timing's timer, no flush) after a warm-up, median of 20; bandwidth =
+bytes the programs read / time.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from magi_moe.bench.timing import time_one  # noqa: E402
 
 ROWS, COLS, BM = 1280, 256, 64  # a bank: [I, Dh] like one W_down; tiles [16, Dh]
 TILE = 16
@@ -75,17 +79,7 @@ def measure(kind: str, working_set: int, programs: int, stages: int, iters: int 
     else:
         launch = lambda: stream_ptr_kernel[(programs,)](w, out, banks, trips, ROWS, COLS, TILE,
                                                         BM, num_warps=4, num_stages=stages)
-    for _ in range(3):
-        launch()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launch()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    seconds = statistics.median(times)
+    seconds = time_one(launch, warmup=3, iters=iters, flush_mib=0, device=w.device) / 1e3
     read = programs * trips * bank_bytes
     return dict(kind=kind, working_set_mib=banks * bank_bytes / 2**20, programs=programs,
                 stages=stages, bytes_read=read, ms=seconds * 1e3, tb_per_s=read / seconds / 1e12)

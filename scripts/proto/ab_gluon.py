@@ -5,7 +5,6 @@ then each kernel alone timed (CUDA events, 512 MiB zeroed before every call, med
 
     PYTHONPATH=. python scripts/proto/ab_gluon.py        # a Hopper GPU, Triton 3.6's Gluon
 """
-import statistics
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 from magi_moe.bench.cases import ANCHOR_CASES, BenchCase, draw_problem  # noqa: E402
+from magi_moe.bench.timing import time_one  # noqa: E402
 from magi_moe.kernels import fused as F  # noqa: E402
 from magi_moe.kernels.plan import EXPERT_MLP  # noqa: E402
 from magi_moe.kernels.tiles import choose_fused_tiles  # noqa: E402
@@ -49,28 +49,13 @@ def gluon_launcher(kernel, call, tiles, stages, grid):
     return run
 
 
-def median_ms(fn, flush, iters=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def main():
     """``--case H,S``: one case only (e.g. for Nsight Compute)."""
     cases = ANCHOR_CASES
     if "--case" in sys.argv:
         cases = (tuple(int(v) for v in sys.argv[sys.argv.index("--case") + 1].split(",")),)
     device = torch.device("cuda")
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device=device)
+    timing = dict(warmup=5, iters=30, flush_mib=512, device=device)
     for heads, tokens in cases:
         p = draw_problem(BenchCase(heads, tokens), device)
         cfg = p.config
@@ -84,23 +69,18 @@ def main():
         want = call.rows.clone()
         step = plan.step(EXPERT_MLP)
         triton_run = lambda: F._launch_expert_mlp(step, call)  # noqa: E731
-        line = [f"H={heads},S={tokens} tiles bm{tiles.block_m} bn{tiles.gu_block_n} w{tiles.gu_warps}"]
-        t_ms = median_ms(triton_run, flush)
+        line = [f"H={heads},S={tokens} bm{tiles.block_m} bn{tiles.gu_block_n} w{tiles.gu_warps}"]
+        t_ms = time_one(triton_run, **timing)
         line.append(f"triton {t_ms:.3f}")
-        per_sm = tiles.gu_programs_per_sm
-        for name, mod in (("v1", gluon_mlp),):
-            for stages in (3,):
-                grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
-                try:
-                    run = gluon_launcher(mod.expert_mlp_gluon_kernel, call, tiles, stages, grid)
-                    rows = torch.full_like(want, float("nan"))
-                    run(rows)
-                    torch.cuda.synchronize()
-                    differ = int((rows.view(torch.int32) != want.view(torch.int32)).sum())
-                    g_ms = median_ms(lambda: run(call.rows), flush)
-                    line.append(f"gluon {name} s{stages} pp{per_sm} {g_ms:.3f} (differ {differ})")
-                except Exception as exc:  # noqa: BLE001
-                    line.append(f"gluon {name} s{stages} pp{per_sm} FAILED {type(exc).__name__}: {str(exc)[:200]}")
+        per_sm, stages = tiles.gu_programs_per_sm, 3
+        grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
+        run = gluon_launcher(gluon_mlp.expert_mlp_gluon_kernel, call, tiles, stages, grid)
+        rows = torch.full_like(want, float("nan"))
+        run(rows)
+        torch.cuda.synchronize()
+        differ = int((rows.view(torch.int32) != want.view(torch.int32)).sum())
+        g_ms = time_one(lambda: run(call.rows), **timing)
+        line.append(f"gluon s{stages} pp{per_sm} {g_ms:.3f} (differ {differ})")
         print(" | ".join(line), flush=True)
 
 

@@ -5,9 +5,10 @@ Same work item, same MMAs in the same order (bitwise equal on the H200), with: o
 weight and stage, each its own allocation (the compiler's shared-memory hazard analysis then
 puts 3 CTA barriers in a trip of the loop over I where the Triton kernel has 5), and the gate
 and up MMAs issued together before one wait (the Triton kernel waits after each). Measured
-(NOTES-perf.md, version 8): 6% faster than the Triton kernel at BM=128 (H=3, S=16384), 2-15%
-slower at BM=64. Kept as the starting point for a warp-specialised kernel, with its A/B bench
-(``ab_gluon.py``); compile-check without a GPU as scripts/inspect_kernel.py does.
+(NOTES-perf.md, version 8): at BM=128 (H=3, S=16384) within the run-to-run variation of the
+Triton kernel (-6% to +2% over three runs), 2-24% slower at BM=64. Kept as a bitwise-equal
+starting point for kernels Triton's pipeliner cannot express, with its A/B bench
+(``ab_gluon.py``).
 """
 import triton
 from triton.experimental import gluon
@@ -53,7 +54,8 @@ def expert_mlp_gluon_kernel(
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     x_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
                                               warps_per_cta=[num_warps, 1], order=[1, 0])
-    x_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    x_shared: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                  rank=2)
     TILE_BYTES: gl.constexpr = 2 * (2 * HEAD_DIM * BLOCK_N + BLOCK_N * HEAD_DIM)
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, HEAD_DIM], x_shared)
