@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from magi_moe.problems import Problem, bit_pattern, run_poisoned  # noqa: F401 (bit_pattern re-exported)
+from magi_moe.problems import Problem, bit_pattern, run_poisoned
 from magi_moe.registry import Implementation
 
 class BackgroundLoad:

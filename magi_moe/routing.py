@@ -160,10 +160,8 @@ class RouteTable:
                           self.num_heads, self.num_experts, self.top_k)
 
     def to(self, device: torch.device | str) -> "RouteTable":
-        move = lambda t: t.to(device)  # noqa: E731
-        moved = RouteTable(move(self.gather_ids), move(self.sorted_probs), move(self.offsets),
-                           move(self.route_slots), self.num_tokens, self.num_heads,
-                           self.num_experts, self.top_k)
+        moved = self._with(self.gather_ids.to(device), self.sorted_probs.to(device),
+                           self.offsets.to(device), self.route_slots.to(device))
         return moved.mark_trusted() if self.trusted else moved
 
 

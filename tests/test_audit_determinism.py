@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from magi_moe.audit.determinism import audit_determinism, bit_pattern
+from magi_moe.audit.determinism import audit_determinism
 from magi_moe.audit.probes import probe_problem
 from magi_moe.backends import get_backend
 from magi_moe.config import preset
+from magi_moe.problems import bit_pattern
 from magi_moe.registry import get_implementation
 from magi_moe.tests.audit_broken import ATOMIC_DETERMINISTIC, CORRECT_EMULATION, FLAKY_DETERMINISTIC
 

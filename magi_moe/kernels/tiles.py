@@ -171,10 +171,7 @@ class RoutingTiles:
 
 @lru_cache(maxsize=1024)  # asked on every routed call: dataclasses.replace costs host time
 def _fitted_routing(tiles: RoutingTiles, head_dim: int) -> RoutingTiles:
-    block_d = min(tiles.block_d, 1 << (head_dim.bit_length() - 1))
-    while head_dim % block_d:
-        block_d //= 2
-    block_d = max(block_d, 16)
+    block_d = max(_divisor_block(head_dim, tiles.block_d), 16)
     return tiles if block_d == tiles.block_d else replace(tiles, block_d=block_d)
 
 
