@@ -35,31 +35,22 @@ TILE = 16
 
 
 @triton.jit
-def stream_tma_kernel(desc, out_ptr, num_banks, trips, ROWS: tl.constexpr, COLS: tl.constexpr,
-                      TILE: tl.constexpr, BM: tl.constexpr):
-    pid = tl.program_id(0)
-    a = (tl.arange(0, BM)[:, None] + tl.arange(0, TILE)[None, :]).to(tl.bfloat16)
-    acc = tl.zeros((BM, COLS), dtype=tl.float32)
-    for t in range(trips):
-        bank = (pid + t * tl.num_programs(0)) % num_banks
-        for j in range(ROWS // TILE):
-            acc = tl.dot(a, desc.load([bank * ROWS + j * TILE, 0]), acc)
-    offs = tl.arange(0, BM)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    tl.store(out_ptr + pid * BM * COLS + offs, acc)
-
-
-@triton.jit
-def stream_ptr_kernel(w_ptr, out_ptr, num_banks, trips, ROWS: tl.constexpr, COLS: tl.constexpr,
-                      TILE: tl.constexpr, BM: tl.constexpr):
+def stream_kernel(src, out_ptr, num_banks, trips, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  TILE: tl.constexpr, BM: tl.constexpr, TMA: tl.constexpr):
+    """``src``: a tensor descriptor (``TMA``) or the weight pointer."""
     pid = tl.program_id(0)
     a = (tl.arange(0, BM)[:, None] + tl.arange(0, TILE)[None, :]).to(tl.bfloat16)
     acc = tl.zeros((BM, COLS), dtype=tl.float32)
     r = tl.arange(0, TILE)[:, None]
     c = tl.arange(0, COLS)[None, :]
     for t in range(trips):
-        bank = ((pid + t * tl.num_programs(0)) % num_banks).to(tl.int64)
+        bank = (pid + t * tl.num_programs(0)) % num_banks
         for j in range(ROWS // TILE):
-            acc = tl.dot(a, tl.load(w_ptr + (bank * ROWS + j * TILE + r) * COLS + c), acc)
+            if TMA:
+                tile = src.load([bank * ROWS + j * TILE, 0])
+            else:
+                tile = tl.load(src + (bank.to(tl.int64) * ROWS + j * TILE + r) * COLS + c)
+            acc = tl.dot(a, tile, acc)
     offs = tl.arange(0, BM)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     tl.store(out_ptr + pid * BM * COLS + offs, acc)
 
@@ -70,15 +61,15 @@ def measure(kind: str, working_set: int, programs: int, stages: int, iters: int 
     w = torch.randn(banks * ROWS, COLS, device="cuda").to(torch.bfloat16)
     out = torch.empty(programs, BM, COLS, device="cuda")
     trips = max(16, (64 * banks) // programs)  # long enough to hide launch and tail
+    src = w
     if kind == "tma":
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
                                                                      device="cuda"))
-        desc = TensorDescriptor.from_tensor(w, [TILE, COLS])
-        launch = lambda: stream_tma_kernel[(programs,)](desc, out, banks, trips, ROWS, COLS, TILE,
-                                                        BM, num_warps=4, num_stages=stages)
-    else:
-        launch = lambda: stream_ptr_kernel[(programs,)](w, out, banks, trips, ROWS, COLS, TILE,
-                                                        BM, num_warps=4, num_stages=stages)
+        src = TensorDescriptor.from_tensor(w, [TILE, COLS])
+
+    def launch():
+        stream_kernel[(programs,)](src, out, banks, trips, ROWS, COLS, TILE, BM, TMA=kind == "tma",
+                                   num_warps=4, num_stages=stages)
     seconds = time_one(launch, warmup=3, iters=iters, flush_mib=0, device=w.device) / 1e3
     read = programs * trips * bank_bytes
     return dict(kind=kind, working_set_mib=banks * bank_bytes / 2**20, programs=programs,
