@@ -1,11 +1,13 @@
-"""A/B on the H200: the Triton one-kernel path against the Gluon prototype (scripts/proto/
-gluon_mlp.py) on the docs/ANCHORS.md cases, on the tabled tiles: the expert rows bit for bit,
-then each kernel alone timed (CUDA events, 512 MiB zeroed before every call, median of 30 after
-5 warm-up). NOTES-perf.md, version 8, has the results.
+"""A/B on the H200: the Triton one-kernel path against the Gluon prototypes (scripts/proto/
+gluon_mlp.py, the variants in VARIANTS) on the docs/ANCHORS.md cases: the expert rows bit for
+bit against the tabled Triton kernel's, then each kernel alone timed (CUDA events, 512 MiB
+zeroed before every call, median of 30 after 5 warm-up). NOTES-perf.md, versions 8 and 9, has
+the results.
 
-    PYTHONPATH=. python scripts/proto/ab_gluon.py        # a Hopper GPU, Triton 3.6's Gluon
+    PYTHONPATH=. python scripts/proto/ab_gluon.py [--case 3,4096] [--variants rs-64,t2-128]
 """
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -25,62 +27,98 @@ from magi_moe.packed_weights import pack_expert_weights  # noqa: E402
 import gluon_mlp  # noqa: E402
 
 
-def gluon_launcher(kernel, call, tiles, stages, grid):
+def gluon_launcher(kernel, call, tiles, stages, grid, **consts):
     cfg, w, sched = call.config, call.weights, call.schedule
+    block_bank, block_start, block_count = sched.block_bank, sched.block_start, sched.block_count
     dh, inter, bn = cfg.head_dim, cfg.intermediate_size, tiles.gu_block_n
+    gate_rows = dh // 2 if "GU_SLOTS" in consts else dh  # the transposed kernel: half-Dh units
+    meta = dict(consts) if "GU_SLOTS" in consts else dict(consts, STAGES=stages)
 
     def desc(t, rows, block):
         two = t.reshape(rows, t.shape[-1])
         return TensorDescriptor(two, list(two.shape), list(two.stride()), block,
                                 gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
     banks = cfg.num_banks
-    dg = desc(w.w_gate, banks * dh, [dh, bn])
-    du = desc(w.w_up, banks * dh, [dh, bn])
+    dg = desc(w.w_gate, banks * dh, [gate_rows, bn])
+    du = desc(w.w_up, banks * dh, [gate_rows, bn])
     dd = desc(w.w_down, banks * inter, [bn, dh])
     t = call.table
 
     def run(rows):
         kernel[(grid,)](
             call.x, dg, du, dd, t.gather_ids, t.sorted_probs, t.route_slots, t.offsets,
-            sched.block_bank, sched.block_start, sched.block_count, rows, call.slot_route,
+            block_bank, block_start, block_count, rows, call.slot_route,
             call.x.stride(0), rows.stride(0), cfg.num_experts,
-            HEAD_DIM=dh, INTER=inter, BLOCK_M=tiles.block_m, BLOCK_N=bn, STAGES=stages,
-            num_warps=tiles.gu_warps)
+            HEAD_DIM=dh, INTER=inter, BLOCK_M=tiles.block_m, BLOCK_N=bn,
+            num_warps=tiles.gu_warps, **meta)
     return run
 
 
+VARIANTS = {
+    # name: (kernel, block_m, block_n, warps, programs per SM, stages, constexprs);
+    # block_m None: the tabled tiles
+    "rs-64": ("expert_mlp_gluon_kernel", 64, 16, 4, 2, 3, {"X_IN_REGISTERS": True}),
+    "v2-64-s3": ("expert_mlp_gluon_rs_kernel", 64, 16, 4, 2, 3, {}),
+    "t-64": ("expert_mlp_gluon_t_kernel", 64, 64, 4, 1, None, {"GU_SLOTS": 6}),
+    "t-64-g4": ("expert_mlp_gluon_t_kernel", 64, 64, 4, 1, None, {"GU_SLOTS": 4}),
+    "t-128-g4": ("expert_mlp_gluon_t_kernel", 128, 64, 8, 1, None, {"GU_SLOTS": 4}),
+    "t-128-g5": ("expert_mlp_gluon_t_kernel", 128, 64, 8, 1, None, {"GU_SLOTS": 5}),
+    "t2-64": ("expert_mlp_gluon_t2_kernel", 64, 64, 4, 1, None, {"GU_SLOTS": 6}),
+    "t2-128": ("expert_mlp_gluon_t2_kernel", 128, 64, 8, 1, None, {"GU_SLOTS": 4}),
+}
+
+
+def variant_call(p, weights, tiles, ws):
+    out = torch.empty_like(p.x)
+    plan, call = F.fused_call(p.x, p.table, weights, p.config, out=out, tiles=tiles, workspace=ws)
+    F.run_plan(plan, call)
+    return plan, call
+
+
 def main():
-    """``--case H,S``: one case only (e.g. for Nsight Compute)."""
+    """``--case H,S``: one case only (e.g. for Nsight Compute); ``--variants a,b``: of VARIANTS."""
     cases = ANCHOR_CASES
     if "--case" in sys.argv:
         cases = (tuple(int(v) for v in sys.argv[sys.argv.index("--case") + 1].split(",")),)
+    names = list(VARIANTS)
+    if "--variants" in sys.argv:
+        names = sys.argv[sys.argv.index("--variants") + 1].split(",")
     device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     timing = dict(warmup=5, iters=30, flush_mib=512, device=device)
     for heads, tokens in cases:
         p = draw_problem(BenchCase(heads, tokens), device)
         cfg = p.config
         weights = pack_expert_weights(p.weights)
-        tiles = choose_fused_tiles(cfg, p.table.num_routes, device).fitted(cfg)
+        tabled = choose_fused_tiles(cfg, p.table.num_routes, device).fitted(cfg)
         ws = FusedWorkspace(device)
-        out = torch.empty_like(p.x)
-        plan, call = F.fused_call(p.x, p.table, weights, cfg, out=out, tiles=tiles, workspace=ws)
-        F.run_plan(plan, call)
+        plan, call = variant_call(p, weights, tabled, ws)
         torch.cuda.synchronize()
         want = call.rows.clone()
         step = plan.step(EXPERT_MLP)
-        triton_run = lambda: F._launch_expert_mlp(step, call)  # noqa: E731
-        line = [f"H={heads},S={tokens} bm{tiles.block_m} bn{tiles.gu_block_n} w{tiles.gu_warps}"]
-        t_ms = time_one(triton_run, **timing)
+        line = [f"H={heads},S={tokens} tabled bm{tabled.block_m} bn{tabled.gu_block_n}"]
+        t_ms = time_one(lambda: F._launch_expert_mlp(step, call), **timing)
         line.append(f"triton {t_ms:.3f}")
-        per_sm, stages = tiles.gu_programs_per_sm, 3
-        grid = torch.cuda.get_device_properties(0).multi_processor_count * per_sm
-        run = gluon_launcher(gluon_mlp.expert_mlp_gluon_kernel, call, tiles, stages, grid)
-        rows = torch.full_like(want, float("nan"))
-        run(rows)
-        torch.cuda.synchronize()
-        differ = int((rows.view(torch.int32) != want.view(torch.int32)).sum())
-        g_ms = time_one(lambda: run(call.rows), **timing)
-        line.append(f"gluon s{stages} pp{per_sm} {g_ms:.3f} (differ {differ})")
+        for name in names:
+            kname, bm, bn, warps, per_sm, stages, consts = VARIANTS[name]
+            if bm is None:
+                tiles, per_sm = tabled, tabled.gu_programs_per_sm
+            else:
+                tiles = replace(tabled, block_m=bm, gu_block_n=bn, gu_warps=warps,
+                                gu_programs_per_sm=per_sm)
+            ws_v = FusedWorkspace(device)
+            # its own block schedule, made by a plan of the tabled Triton kernel's kind
+            call_tiles = replace(tabled, block_m=tiles.block_m, gu_block_n=16,
+                                 gu_warps=4 if tiles.block_m == 64 else 8)
+            _, vcall = variant_call(p, weights, call_tiles, ws_v)
+            run = gluon_launcher(getattr(gluon_mlp, kname), vcall, tiles, stages,
+                                 sms * per_sm, **consts)
+            rows = torch.full_like(want, float("nan"))
+            run(rows)
+            torch.cuda.synchronize()
+            differ = int((rows.view(torch.int32) != want.view(torch.int32)).sum())
+            g_ms = time_one(lambda: run(vcall.rows), **timing)
+            line.append(f"{name} {g_ms:.3f} (differ {differ})")
         print(" | ".join(line), flush=True)
 
 
