@@ -9,6 +9,7 @@ x in registers at BLOCK_N 32); the pipelined kernel must keep its ``DEPBAR.LE gs
 
 Needs Triton 3.6 (the H200's; its Gluon API) and TRITON_INTERPRET unset.
 """
+import inspect
 import json
 import re
 import subprocess
@@ -49,17 +50,26 @@ def placeholder_args(block_n, gate_rows, head_dim=256, inter=1280, banks=768):
             i32, f32, i64, i64, i32, i64, i32, f32, i32, x.stride(0), head_dim, 256]
 
 
+def kernel_args(kernel, block_n, gate_rows):
+    args = placeholder_args(block_n, gate_rows)
+    if "sm_slot_ptr" in kernel.arg_names:
+        args.append(torch.empty(256, dtype=torch.int32))
+    return args
+
+
 def compile_prototype(kernel, block_m, block_n, warps, **constexprs):
     transposed = "GU_SLOTS" in constexprs  # half-Dh gate/up units
     names = kernel.arg_names
     signature, attrs = {}, {}
-    for i, arg in enumerate(placeholder_args(block_n, 128 if transposed else 256)):
+    for i, arg in enumerate(kernel_args(kernel, block_n, 128 if transposed else 256)):
         kind, key = native_specialize_impl(BaseBackend, arg, False, True, True)
         signature[names[i]] = kind
         if isinstance(key, str):
             attrs[(i,)] = BaseBackend.parse_attr(key)
-    consts = dict(HEAD_DIM=256, INTER=1280, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
-                  **constexprs)
+    defaults = {p.name: p.default for p in kernel.params
+                if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    consts = dict(defaults, HEAD_DIM=256, INTER=1280, BLOCK_M=block_m, BLOCK_N=block_n,
+                  num_warps=warps, **constexprs)
     for name in consts:
         signature[name] = "constexpr"
     source = GluonASTSource(fn=kernel, signature=signature, attrs=attrs,
