@@ -50,18 +50,11 @@ def placeholder_args(block_n, gate_rows, head_dim=256, inter=1280, banks=768):
             i32, f32, i64, i64, i32, i64, i32, f32, i32, x.stride(0), head_dim, 256]
 
 
-def kernel_args(kernel, block_n, gate_rows):
-    args = placeholder_args(block_n, gate_rows)
-    if "sm_slot_ptr" in kernel.arg_names:
-        args.append(torch.empty(256, dtype=torch.int32))
-    return args
-
-
 def compile_prototype(kernel, block_m, block_n, warps, **constexprs):
     transposed = "GU_SLOTS" in constexprs  # half-Dh gate/up units
     names = kernel.arg_names
     signature, attrs = {}, {}
-    for i, arg in enumerate(kernel_args(kernel, block_n, 128 if transposed else 256)):
+    for i, arg in enumerate(placeholder_args(block_n, 128 if transposed else 256)):
         kind, key = native_specialize_impl(BaseBackend, arg, False, True, True)
         signature[names[i]] = kind
         if isinstance(key, str):
