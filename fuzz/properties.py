@@ -472,19 +472,11 @@ def _check_own_table(routes, cfg, record: dict) -> None:
     device, and the expert kernels read it): it must be ``build_route_table`` of its own choices,
     field for field. Ties and NaN are where a device-built table can count a route twice or not
     at all while every choice is right (session 6: a NaN key equal to the 'taken' sentinel)."""
-    got = routes.table
     want = build_route_table(Routes(routes.expert_ids.long(), routes.probs), cfg)
-    for name in ("offsets", "gather_ids", "route_slots", "sorted_probs"):
-        a, b = getattr(got, name).cpu(), getattr(want, name).cpu()
-        if a.shape != b.shape:
-            what = f"has shape {tuple(a.shape)}, expected {tuple(b.shape)}"
-        elif not torch.equal(a.to(b.dtype), b):
-            i = int((a.to(b.dtype) != b).nonzero()[0, 0])
-            what = f"differs first at index {i}: {a[i].item()!r}, expected {b[i].item()!r}"
-        else:
-            continue
+    difference = routes.table.first_difference(want)
+    if difference is not None:
         raise PropertyViolation(f"the router's own route table is not the table of its choices: "
-                                f"{name} {what}", record)
+                                f"{difference}", record)
 
 
 def _check_tie_probs(routes: Routes, scores: torch.Tensor, cfg, record: dict) -> None:

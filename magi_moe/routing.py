@@ -155,6 +155,22 @@ class RouteTable:
         mask[keep.long()] = True
         return mask
 
+    TABLE_FIELDS = ("offsets", "gather_ids", "route_slots", "sorted_probs")
+
+    def first_difference(self, other: "RouteTable") -> str | None:
+        """Where this table's tensors first differ from ``other``'s, bit for bit (compared on
+        the CPU, in ``other``'s dtypes), as one line naming the field and index; None when
+        equal. For checks of a table a kernel built against :func:`build_route_table`'s."""
+        for name in self.TABLE_FIELDS:
+            a, b = getattr(self, name).cpu(), getattr(other, name).cpu()
+            if a.shape != b.shape:
+                return f"{name} has shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+            a = a.to(b.dtype)
+            if not torch.equal(a, b):
+                i = int((a != b).nonzero()[0, 0])
+                return f"{name} differs first at index {i}: {a[i].item()!r}, expected {b[i].item()!r}"
+        return None
+
     def _with(self, gather_ids, sorted_probs, offsets, route_slots) -> "RouteTable":
         return RouteTable(gather_ids, sorted_probs, offsets, route_slots, self.num_tokens,
                           self.num_heads, self.num_experts, self.top_k)

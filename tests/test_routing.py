@@ -323,3 +323,27 @@ def test_select_refuses_a_mask_on_another_device(routed, cuda_device):
     _, _, table = routed
     with pytest.raises(ValueError, match="keep must be a 1-D tensor on cpu"):
         table.select(torch.ones(table.num_routes, dtype=torch.bool, device=cuda_device))
+
+
+def test_first_difference_names_the_field_and_index_of_a_table_that_differs(routed):
+    """What the fused-router tests and the tie-rule fuzzer report when a device-built table is
+    not build_route_table's: the first differing field (in TABLE_FIELDS order) and index."""
+    _, _, table = routed
+    assert table.first_difference(table) is None
+    assert table.first_difference(table.to("cpu")) is None
+    moved = table._with(table.gather_ids, table.sorted_probs, table.offsets.clone(),
+                        table.route_slots.clone())
+    moved.offsets[5] += 1
+    moved.route_slots[0] += 1  # offsets come first: they are named, not route_slots
+    assert moved.first_difference(table) == (
+        f"offsets differs first at index 5: {int(table.offsets[5]) + 1}, "
+        f"expected {int(table.offsets[5])}")
+    last = table.num_routes - 1
+    shorter = table._with(table.gather_ids[:last], table.sorted_probs[:last], table.offsets,
+                          table.route_slots[:last])
+    assert shorter.first_difference(table) == (
+        f"gather_ids has shape ({last},), expected ({last + 1},)")
+    # a narrower dtype is compared in the reference's dtype: equal values are equal
+    narrow = table._with(table.gather_ids, table.sorted_probs, table.offsets.int(),
+                         table.route_slots)
+    assert narrow.first_difference(table) is None
