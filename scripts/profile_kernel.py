@@ -11,7 +11,6 @@ the launch plan, so the profile can be matched to what ran.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -21,10 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from magi_moe.bench.cases import BenchCase, draw_problem  # noqa: E402
+from magi_moe.bench.kernel_level import KernelLevel  # noqa: E402
 from magi_moe.kernels import fused as F  # noqa: E402
-from magi_moe.kernels.tiles import choose_fused_tiles  # noqa: E402
-from magi_moe.kernels.workspace import FusedWorkspace  # noqa: E402
-from magi_moe.packed_weights import pack_expert_weights  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -40,20 +37,14 @@ def main(argv=None) -> int:
         print("profile_kernel.py needs a CUDA GPU", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    problem = draw_problem(BenchCase(args.heads, args.tokens, draw=args.draw), device)
-    cfg = problem.config
-    tiles = choose_fused_tiles(cfg, problem.table.num_routes, device)
-    tiles = dataclasses.replace(tiles, **json.loads(args.tiles)).fitted(cfg)
-    weights = pack_expert_weights(problem.weights)
-    workspace = FusedWorkspace(device)
-    out = torch.empty_like(problem.x)
-    plan, _ = F.fused_call(problem.x, problem.table, weights, cfg, out=out, tiles=tiles,
-                           workspace=workspace)
+    level = KernelLevel.of(draw_problem(BenchCase(args.heads, args.tokens, draw=args.draw),
+                                        device))
+    tiles = level.tiles(**json.loads(args.tiles))
+    plan, call = level.call(tiles)
     print("tiles", tiles)
     print("plan", plan.kernels, plan.reasons)
     for _ in range(args.runs):
-        F.fused_forward(problem.x, problem.table, weights, cfg, out=out, tiles=tiles,
-                        workspace=workspace)
+        F.run_plan(plan, call)
     torch.cuda.synchronize()
     return 0
 

@@ -377,17 +377,14 @@ def breakdown_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int)
     pass that ``tma_gathered`` launches first (also shown alone as ``gather``); a one-kernel
     entry that cannot run here is timed as the two-kernel fallback its plan names."""
     from ..kernels import plan as P
-    from ..kernels.fused import fused_call, fused_forward, run_plan
-    from ..kernels.tiles import choose_fused_tiles
-    from ..kernels.workspace import FusedWorkspace
-    from ..packed_weights import pack_expert_weights
+    from ..kernels.fused import fused_forward, run_plan
+    from .kernel_level import KernelLevel
 
     cfg, table, x = problem.config, problem.table, problem.x
-    packed = pack_expert_weights(problem.weights)
-    tiles = choose_fused_tiles(cfg, table.num_routes, x.device)
-    ws = FusedWorkspace(x.device)
-    out = torch.empty_like(x)
-    plan, call = fused_call(x, table, packed, cfg, out=out, tiles=tiles, workspace=ws)
+    level = KernelLevel.of(problem)
+    packed, tiles = level.packed, level.tiles()
+    plan, call = level.call(tiles)
+    out, ws = call.out, call.workspace
     run_plan(plan.only(P.SCHEDULE), call)  # the schedule the other launches read
     parts = {"schedule": (P.SCHEDULE,), "gate_up+down": (P.EXPERT_MLP,),
              "gather": (P.GATHER_ROWS,), "gate_up": (P.GATHER_ROWS, P.GATE_UP, P.GATE_UP_TMA),

@@ -18,12 +18,10 @@ from triton.experimental.gluon import language as gl  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 from magi_moe.bench.cases import ANCHOR_CASES, BenchCase, draw_problem  # noqa: E402
+from magi_moe.bench.kernel_level import KernelLevel  # noqa: E402
 from magi_moe.bench.timing import time_one  # noqa: E402
 from magi_moe.kernels import fused as F  # noqa: E402
 from magi_moe.kernels.plan import EXPERT_MLP  # noqa: E402
-from magi_moe.kernels.tiles import choose_fused_tiles  # noqa: E402
-from magi_moe.kernels.workspace import FusedWorkspace  # noqa: E402
-from magi_moe.packed_weights import pack_expert_weights  # noqa: E402
 import gluon_mlp  # noqa: E402
 
 
@@ -68,9 +66,9 @@ VARIANTS = {
 }
 
 
-def variant_call(p, weights, tiles, ws):
-    out = torch.empty_like(p.x)
-    plan, call = F.fused_call(p.x, p.table, weights, p.config, out=out, tiles=tiles, workspace=ws)
+def made(level, tiles):
+    """One fused run on ``tiles`` (its own workspace and block schedule), done."""
+    plan, call = level.call(tiles)
     F.run_plan(plan, call)
     return plan, call
 
@@ -87,12 +85,9 @@ def main():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     timing = dict(warmup=5, iters=30, flush_mib=512, device=device)
     for heads, tokens in cases:
-        p = draw_problem(BenchCase(heads, tokens), device)
-        cfg = p.config
-        weights = pack_expert_weights(p.weights)
-        tabled = choose_fused_tiles(cfg, p.table.num_routes, device).fitted(cfg)
-        ws = FusedWorkspace(device)
-        plan, call = variant_call(p, weights, tabled, ws)
+        level = KernelLevel.of(draw_problem(BenchCase(heads, tokens), device))
+        tabled = level.tiles()
+        plan, call = made(level, tabled)
         torch.cuda.synchronize()
         want = call.rows.clone()
         step = plan.step(EXPERT_MLP)
@@ -106,11 +101,10 @@ def main():
             else:
                 tiles = replace(tabled, block_m=bm, gu_block_n=bn, gu_warps=warps,
                                 gu_programs_per_sm=per_sm)
-            ws_v = FusedWorkspace(device)
             # its own block schedule, made by a plan of the tabled Triton kernel's kind
             call_tiles = replace(tabled, block_m=tiles.block_m, gu_block_n=16,
                                  gu_warps=4 if tiles.block_m == 64 else 8)
-            _, vcall = variant_call(p, weights, call_tiles, ws_v)
+            _, vcall = made(level, call_tiles)
             run = gluon_launcher(getattr(gluon_mlp, kname), vcall, tiles, stages,
                                  sms * per_sm, **consts)
             rows = torch.full_like(want, float("nan"))
