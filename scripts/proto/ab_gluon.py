@@ -56,11 +56,6 @@ VARIANTS = {
     # name: (kernel, block_m, block_n, warps, programs per SM, stages, constexprs);
     # block_m None: the tabled tiles
     "rs-64": ("expert_mlp_gluon_kernel", 64, 16, 4, 2, 3, {"X_IN_REGISTERS": True}),
-    "v2-64-s3": ("expert_mlp_gluon_rs_kernel", 64, 16, 4, 2, 3, {}),
-    "t-64": ("expert_mlp_gluon_t_kernel", 64, 64, 4, 1, None, {"GU_SLOTS": 6}),
-    "t-64-g4": ("expert_mlp_gluon_t_kernel", 64, 64, 4, 1, None, {"GU_SLOTS": 4}),
-    "t-128-g4": ("expert_mlp_gluon_t_kernel", 128, 64, 8, 1, None, {"GU_SLOTS": 4}),
-    "t-128-g5": ("expert_mlp_gluon_t_kernel", 128, 64, 8, 1, None, {"GU_SLOTS": 5}),
     "t2-64": ("expert_mlp_gluon_t2_kernel", 64, 64, 4, 1, None, {"GU_SLOTS": 6}),
     "t2-128": ("expert_mlp_gluon_t2_kernel", 128, 64, 8, 1, None, {"GU_SLOTS": 4}),
 }
