@@ -158,9 +158,10 @@ class RouteTable:
     TABLE_FIELDS = ("offsets", "gather_ids", "route_slots", "sorted_probs")
 
     def first_difference(self, other: "RouteTable") -> str | None:
-        """Where this table's tensors first differ from ``other``'s, bit for bit (compared on
-        the CPU, in ``other``'s dtypes), as one line naming the field and index; None when
-        equal. For checks of a table a kernel built against :func:`build_route_table`'s."""
+        """Where this table's tensors first differ from ``other``'s (values compared on the CPU
+        in ``other``'s dtypes, as ``torch.equal`` does: a NaN probability never matches), as
+        one line naming the field and index; None when equal. For checks of a table a kernel
+        built against :func:`build_route_table`'s."""
         for name in self.TABLE_FIELDS:
             a, b = getattr(self, name).cpu(), getattr(other, name).cpu()
             if a.shape != b.shape:
