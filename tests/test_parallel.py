@@ -111,13 +111,18 @@ def _case_path(out_dir: str, case: EPCase, rank: int) -> Path:
     return Path(out_dir) / f"{case.name}-rank{rank}.pt"
 
 
-def _ep_worker(rank: int, world: int, backend: str, store: str, out_dir: str, cases: list[EPCase]) -> None:
-    """One process: every case whose group contains this rank, its output saved for the parent."""
+def _ep_worker(rank: int, world: int, backend: str, store: str, out_dir: str, cases: list[EPCase],
+               shared_gpu: bool = False) -> None:
+    """One process: every case whose group contains this rank, its output saved for the parent.
+    ``shared_gpu``: every rank on ``cuda:0`` (gloo moves the CUDA tensors)."""
     from magi_moe.debug import poison_workspaces
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's transport on the loopback only
-    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
-    if backend == "nccl":
+    if shared_gpu:
+        device = torch.device("cuda:0")
+    else:
+        device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                          world_size=world, timeout=timedelta(seconds=120))
@@ -140,10 +145,11 @@ def _ep_worker(rank: int, world: int, backend: str, store: str, out_dir: str, ca
         torch.distributed.destroy_process_group()
 
 
-def _spawn(backend: str, world: int, cases: list[EPCase], tmp: Path) -> str:
+def _spawn(backend: str, world: int, cases: list[EPCase], tmp: Path, *, shared_gpu: bool = False) -> str:
     out_dir = tmp / "outputs"
     out_dir.mkdir()
-    torch.multiprocessing.spawn(_ep_worker, args=(world, backend, str(tmp / "store"), str(out_dir), cases),
+    torch.multiprocessing.spawn(_ep_worker, args=(world, backend, str(tmp / "store"), str(out_dir), cases,
+                                                  shared_gpu),
                                 nprocs=world, join=True)
     return str(out_dir)
 
@@ -375,3 +381,24 @@ def nccl_outputs(tmp_path_factory) -> str:
 def test_ep_on_nccl_equals_one_process(case, nccl_outputs):
     exact = get_implementation(case.impl).deterministic
     _check_against_single_process(case, nccl_outputs, torch.device("cuda:0"), exact=exact)
+
+
+# -- two processes sharing one GPU, on gloo ----------------------------------------------------
+# Where only one GPU is lent: two real processes, each its own CUDA context on cuda:0, exchanging
+# CUDA tensors through gloo. Not NCCL, but every rank runs its own per-rank problem (fewer local
+# heads, sliced weights, padded heads) through the real dispatch and combine, as on two GPUs.
+
+@pytest.fixture(scope="module")
+def shared_gpu_outputs(tmp_path_factory) -> str:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if BACKENDS["cuda"].unavailable_reason():
+        pytest.skip(f"cuda backend unavailable: {BACKENDS['cuda'].unavailable_reason()}")
+    return _spawn("gloo", 2, GPU_CASES, tmp_path_factory.mktemp("ep-gloo-cuda"), shared_gpu=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_ep_two_processes_on_one_gpu_equals_one_process(case, shared_gpu_outputs):
+    exact = get_implementation(case.impl).deterministic
+    _check_against_single_process(case, shared_gpu_outputs, torch.device("cuda:0"), exact=exact)

@@ -23,6 +23,7 @@ from magi_moe.bench.timing import time_one  # noqa: E402
 from magi_moe.kernels import fused as F  # noqa: E402
 from magi_moe.kernels.plan import EXPERT_MLP  # noqa: E402
 import gluon_mlp  # noqa: E402
+import gluon_ws  # noqa: E402
 
 
 def gluon_launcher(kernel, call, tiles, stages, grid, **consts):
@@ -42,11 +43,21 @@ def gluon_launcher(kernel, call, tiles, stages, grid, **consts):
     dd = desc(w.w_down, banks * inter, [bn, dh])
     t = call.table
 
+    pair_args = ()
+    if "CONSUMER_REGS" in consts:  # the warp-specialised kernel: its pair schedule, made here
+        first, second = gluon_ws.build_pairs(block_bank, int(block_count.item()))
+        count = torch.tensor([first.numel()], dtype=torch.int32, device=first.device)
+        pair_args = (first, second, count)
+        same = int((second >= 0).logical_and(
+            block_bank[second.clamp(min=0).long()] == block_bank[first.long()]).sum())
+        print(f"  pairs {first.numel()} (one bank {same}) for {int(block_count.item())} blocks",
+              flush=True)
+
     def run(rows):
         kernel[(grid,)](
             call.x, dg, du, dd, t.gather_ids, t.sorted_probs, t.route_slots, t.offsets,
             block_bank, block_start, block_count, rows, call.slot_route,
-            call.x.stride(0), rows.stride(0), cfg.num_experts,
+            call.x.stride(0), rows.stride(0), cfg.num_experts, *pair_args,
             HEAD_DIM=dh, INTER=inter, BLOCK_M=tiles.block_m, BLOCK_N=bn,
             num_warps=tiles.gu_warps, **meta)
     return run
@@ -58,6 +69,10 @@ VARIANTS = {
     "rs-64": ("expert_mlp_gluon_kernel", 64, 16, 4, 2, 3, {"X_IN_REGISTERS": True}),
     "t2-64": ("expert_mlp_gluon_t2_kernel", 64, 64, 4, 1, None, {"GU_SLOTS": 6}),
     "t2-128": ("expert_mlp_gluon_t2_kernel", 128, 64, 8, 1, None, {"GU_SLOTS": 4}),
+    # warp-specialised: one producer warpgroup, two 64-row consumers sharing weight streams
+    "ws-64": ("expert_mlp_gluon_ws_kernel", 64, 16, 4, 1, 6, {"CONSUMER_REGS": 232}),
+    "ws-64-regs": ("expert_mlp_gluon_ws_kernel", 64, 16, 4, 1, 8,
+                   {"CONSUMER_REGS": 240, "X_IN_REGISTERS": True}),
 }
 
 
@@ -100,7 +115,8 @@ def main():
             call_tiles = replace(tabled, block_m=tiles.block_m, gu_block_n=16,
                                  gu_warps=4 if tiles.block_m == 64 else 8)
             _, vcall = made(level, call_tiles)
-            run = gluon_launcher(getattr(gluon_mlp, kname), vcall, tiles, stages,
+            module = gluon_ws if kname.endswith("_ws_kernel") else gluon_mlp
+            run = gluon_launcher(getattr(module, kname), vcall, tiles, stages,
                                  sms * per_sm, **consts)
             rows = torch.full_like(want, float("nan"))
             run(rows)

@@ -30,6 +30,7 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 import gluon_mlp  # noqa: E402
+import gluon_ws  # noqa: E402
 import inspect_kernel as IK  # noqa: E402
 
 
@@ -54,7 +55,10 @@ def compile_prototype(kernel, block_m, block_n, warps, **constexprs):
     transposed = "GU_SLOTS" in constexprs  # half-Dh gate/up units
     names = kernel.arg_names
     signature, attrs = {}, {}
-    for i, arg in enumerate(placeholder_args(block_n, 128 if transposed else 256)):
+    args = placeholder_args(block_n, 128 if transposed else 256)
+    if "pair_first_ptr" in names:  # the warp-specialised kernel's pair schedule
+        args += [torch.empty(16, dtype=torch.int32) for _ in range(3)]
+    for i, arg in enumerate(args):
         kind, key = native_specialize_impl(BaseBackend, arg, False, True, True)
         signature[names[i]] = kind
         if isinstance(key, str):
@@ -90,7 +94,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2:
         sys.exit(__doc__)
-    kernel = getattr(gluon_mlp, argv[0])
+    kernel = getattr(gluon_ws if argv[0].endswith("_ws_kernel") else gluon_mlp, argv[0])
     for spec in argv[1:]:
         fields = json.loads(spec)
         shape = [fields.pop(k) for k in ("block_m", "block_n", "warps")]

@@ -1,0 +1,255 @@
+"""Prototype, not used by magi_moe: the one-kernel expert MLP warp-specialised, one weight stream
+feeding two independent 64-row consumers (NOTES-perf.md version 10).
+
+Why (version 9): at BM=64 every 64-row block streams its bank's whole weights from L2 (about
+3 GB at H=3, S=4096 for 1.5 GB of weights) and the L2 fabric is the bound; at BM=128 half the
+traffic, but the rows are padded to 128 and the two warpgroups of one program wait for each
+other every trip. Here a program has three partitions:
+
+* the producer (the default partition, 4 warps, few registers): TMA loads of weight slices into
+  a ring of ``STAGES`` slots, each slot released by an ``empty`` barrier of count 2;
+* two consumers (4 warps each, ``CONSUMER_REGS`` registers by ``setmaxnreg``): each computes
+  its own 64-row block exactly as the plain kernel does (same MMAs in the same order, so the
+  same bits), and never waits for the other consumer.
+
+Work comes in pairs of blocks (``build_pairs``): two blocks of one bank share one stream
+(both consumers read every fill); two blocks of different banks get two streams interleaved
+fill by fill (consumer 0 reads the even fills, consumer 1 the odd ones); a last lone block is
+read by consumer 0 alone. Each consumer waits for every fill in order and arrives once on its
+``empty`` barrier, at once for a fill it does not read, after that fill's down MMA for one it
+reads: no consumer skips a fill, so parity waits never confuse two fills of one slot.
+
+Triton 3.6 emits ``setmaxnreg`` for the partitions (producer 40, consumers 232), but ptxas
+serialises every wgmma of the consumers ("insufficient register resources", C7512) although
+the same consumer code alone needs 190 registers and pipelines (screen_gluon.py shows both).
+"""
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+
+from gluon_mlp import _store_block_rows, _swiglu7
+
+
+def build_pairs(block_bank: torch.Tensor, block_count: int):
+    """``(first, second)`` int32 block indices per pair: blocks of one bank two by two, then the
+    banks' odd blocks two by two, a lone last one with ``second = -1`` at the very end (the
+    consumers' parity argument needs it last)."""
+    banks = block_bank[:block_count].long()
+    idx = torch.arange(block_count, device=banks.device)
+    first_of_bank = torch.ones_like(banks, dtype=torch.bool)
+    first_of_bank[1:] = banks[1:] != banks[:-1]
+    run_start = torch.cummax(torch.where(first_of_bank, idx, torch.zeros_like(idx)), 0).values
+    pos = idx - run_start
+    nxt_same = torch.zeros_like(first_of_bank)
+    nxt_same[:-1] = banks[1:] == banks[:-1]
+    lead = (pos % 2 == 0) & nxt_same          # first of a same-bank pair
+    follow = torch.zeros_like(lead)
+    follow[1:] = lead[:-1]
+    lone = ~lead & ~follow
+    lone_idx = idx[lone]
+    firsts = torch.cat([idx[lead], lone_idx[0::2]])
+    seconds = torch.cat([idx[lead] + 1, lone_idx[1::2]])
+    if seconds.numel() < firsts.numel():
+        seconds = torch.cat([seconds, seconds.new_full((1,), -1)])
+    return firsts.to(torch.int32).contiguous(), seconds.to(torch.int32).contiguous()
+
+
+@gluon.jit
+def _pair_step(pair_first_ptr, pair_second_ptr, block_bank_ptr, q):
+    first = gl.load(pair_first_ptr + q)
+    second = gl.load(pair_second_ptr + q)
+    bank_first = gl.load(block_bank_ptr + first)
+    bank_second = gl.load(block_bank_ptr + gl.maximum(second, 0))
+    interleaved = (second >= 0) & (bank_second != bank_first)
+    return first, second, bank_first, bank_second, interleaved
+
+
+@gluon.jit
+def _read_fill(x, wg_smem, wu_smem, wd_smem, ready, empty, zero, acc, c, prev_c, has_prev,
+               STAGES: gl.constexpr, a_layout: gl.constexpr):
+    """One slice of this consumer's block from fill ``c``; releases its previous read fill
+    ``prev_c`` once that fill's down MMA is complete."""
+    s = c % STAGES
+    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+    g = warpgroup_mma(x, wg_smem.index(s), zero, use_acc=False, is_async=True)
+    u = warpgroup_mma(x, wu_smem.index(s), zero, use_acc=False, is_async=True)
+    g, u, acc = warpgroup_mma_wait(num_outstanding=0, deps=(g, u, acc))
+    mbarrier.arrive(empty.index(prev_c % STAGES), pred=has_prev)
+    a = gl.convert_layout(_swiglu7(g, u).to(gl.bfloat16), a_layout)
+    return warpgroup_mma(a, wd_smem.index(s), acc, is_async=True)
+
+
+@gluon.jit
+def _skip_fill(ready, empty, c, STAGES: gl.constexpr):
+    """A fill the other consumer reads: seen, and released at once."""
+    s = c % STAGES
+    mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+    mbarrier.arrive(empty.index(s))
+
+
+@gluon.jit
+def _ws_producer(wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty,
+                 pair_first_ptr, pair_second_ptr, pair_count_ptr, block_bank_ptr,
+                 HEAD_DIM: gl.constexpr, INTER: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr):
+    NJ: gl.constexpr = INTER // BLOCK_N
+    SLOT_BYTES: gl.constexpr = 2 * 3 * HEAD_DIM * BLOCK_N
+    num_pairs = gl.load(pair_count_ptr)
+    q = gl.program_id(0)
+    count = 0
+    while q < num_pairs:
+        first, second, bank_a, bank_b, interleaved = _pair_step(
+            pair_first_ptr, pair_second_ptr, block_bank_ptr, q)
+        streams = 1 + interleaved.to(gl.int32)
+        for jj in range(NJ * streams):
+            j = jj // streams
+            bank = gl.where((jj % streams) == 1, bank_b, bank_a)
+            s = count % STAGES
+            mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), SLOT_BYTES)
+            tma.async_copy_global_to_shared(wg_desc, [bank * HEAD_DIM, j * BLOCK_N],
+                                            ready.index(s), wg_smem.index(s))
+            tma.async_copy_global_to_shared(wu_desc, [bank * HEAD_DIM, j * BLOCK_N],
+                                            ready.index(s), wu_smem.index(s))
+            tma.async_copy_global_to_shared(wd_desc, [bank * INTER + j * BLOCK_N, 0],
+                                            ready.index(s), wd_smem.index(s))
+            count += 1
+        q += gl.num_programs(0)
+
+
+@gluon.jit
+def _ws_consumer(WHICH: gl.constexpr, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty,
+                 gather_ptr, probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
+                 rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
+                 pair_first_ptr, pair_second_ptr, pair_count_ptr,
+                 HEAD_DIM: gl.constexpr, INTER: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, X_IN_REGISTERS: gl.constexpr):
+    """Waits for every fill of the ring in order and arrives once on every fill's ``empty``
+    barrier (after its MMAs for the fills it reads, at once for the others): a consumer never
+    skips a fill, so parity waits cannot confuse two fills of one slot, and the producer
+    never refills a slot a consumer has not seen."""
+    NJ: gl.constexpr = INTER // BLOCK_N
+    gu_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    if X_IN_REGISTERS:
+        x_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=gu_layout, k_width=2)
+    else:
+        x_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
+                                                  warps_per_cta=[4, 1], order=[1, 0])
+    x_rows_l: gl.constexpr = gl.SliceLayout(1, x_layout)
+    x_cols_l: gl.constexpr = gl.SliceLayout(0, x_layout)
+
+    num_pairs = gl.load(pair_count_ptr)
+    q = gl.program_id(0)
+    count = 0
+    while q < num_pairs:
+        first, second, bank_a, bank_b, interleaved = _pair_step(
+            pair_first_ptr, pair_second_ptr, block_bank_ptr, q)
+        streams = 1 + interleaved.to(gl.int32)
+        if WHICH == 0:
+            block = first
+            bank = bank_a
+        else:
+            block = second
+            bank = bank_b
+        mine = block >= 0
+        safe_block = gl.maximum(block, 0)
+        start = gl.load(block_start_ptr + safe_block)
+        end = gl.where(mine, gl.load(offsets_ptr + bank.to(gl.int64) + 1), start)
+        rows = start + gl.arange(0, BLOCK_M, layout=x_rows_l).to(gl.int64)
+        row_mask = rows < end
+        tokens = gl.load(gather_ptr + rows, mask=row_mask, other=0).to(gl.int64)
+        head = bank.to(gl.int64) // num_experts
+        d = gl.arange(0, HEAD_DIM, layout=x_cols_l)
+        x = gl.load(x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + d[None, :],
+                    mask=row_mask[:, None], other=0.0)
+        if not X_IN_REGISTERS:
+            # this consumer's own x tile: its previous block's MMAs are complete (waited)
+            x_smem.index(WHICH).store(x)
+            fence_async_shared()
+            gl.thread_barrier()
+            x = x_smem.index(WHICH)
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, gu_layout)
+        # three loops, so that no in-flight accumulator crosses a branch (ptxas then
+        # serialises every wgmma)
+        if interleaved:  # fills alternate: consumer 0 reads the even ones, 1 the odd ones
+            acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+            for j in range(NJ):
+                for t in gl.static_range(2):
+                    c = count + 2 * j + t
+                    if t == WHICH:
+                        acc = _read_fill(x, wg_smem, wu_smem, wd_smem, ready, empty, zero, acc,
+                                         c, c - 2, j > 0, STAGES, a_layout)
+                    else:
+                        _skip_fill(ready, empty, c, STAGES)
+            out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        elif mine:  # one stream, read by both consumers (or by consumer 0 alone)
+            acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
+            for j in range(NJ):
+                c = count + j
+                acc = _read_fill(x, wg_smem, wu_smem, wd_smem, ready, empty, zero, acc,
+                                 c, c - 1, j > 0, STAGES, a_layout)
+            out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        else:
+            for j in range(NJ):
+                _skip_fill(ready, empty, count + j, STAGES)
+            out = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
+        # the last read fill's down MMA is complete
+        last = count + NJ * streams - 1 - interleaved.to(gl.int32) * (1 - WHICH)
+        mbarrier.arrive(empty.index(last % STAGES), pred=mine)
+        if mine:
+            _store_block_rows(out, start, end, probs_ptr, slots_ptr, rows_ptr, slot_route_ptr,
+                              stride_rows, BLOCK_M, HEAD_DIM)
+        count += NJ * streams
+        q += gl.num_programs(0)
+
+
+@gluon.jit
+def expert_mlp_gluon_ws_kernel(
+    x_ptr, wg_desc, wu_desc, wd_desc,
+    gather_ptr, probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
+    block_count_ptr, rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
+    pair_first_ptr, pair_second_ptr, pair_count_ptr,
+    HEAD_DIM: gl.constexpr, INTER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr, CONSUMER_REGS: gl.constexpr = 232,
+    X_IN_REGISTERS: gl.constexpr = False,
+):
+    gl.static_assert(BLOCK_M == 64, "each consumer warpgroup takes one 64-row block")
+    gl.static_assert(STAGES % 2 == 0, "interleaved pairs need an even ring")
+    gl.static_assert((INTER // BLOCK_N) % 2 == 0, "an even number of slices per stream")
+    wg_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wg_desc.layout)
+    wu_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wu_desc.layout)
+    wd_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], wd_desc.layout)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, HEAD_DIM],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM],
+                                                                            gl.bfloat16))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_ws_producer, (wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty,
+                        pair_first_ptr, pair_second_ptr, pair_count_ptr, block_bank_ptr,
+                        HEAD_DIM, INTER, BLOCK_N, STAGES)),
+        (_ws_consumer, (0, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr, probs_ptr,
+                        slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr, rows_ptr,
+                        slot_route_ptr, stride_x, stride_rows, num_experts, pair_first_ptr,
+                        pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER, BLOCK_M, BLOCK_N,
+                        STAGES, X_IN_REGISTERS)),
+        (_ws_consumer, (1, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr, probs_ptr,
+                        slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr, rows_ptr,
+                        slot_route_ptr, stride_x, stride_rows, num_experts, pair_first_ptr,
+                        pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER, BLOCK_M, BLOCK_N,
+                        STAGES, X_IN_REGISTERS)),
+    ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
