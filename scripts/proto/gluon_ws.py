@@ -22,6 +22,12 @@ reads: no consumer skips a fill, so parity waits never confuse two fills of one 
 Triton 3.6 emits ``setmaxnreg`` for the partitions (producer 40, consumers 232), but ptxas
 serialises every wgmma of the consumers ("insufficient register resources", C7512) although
 the same consumer code alone needs 190 registers and pipelines (screen_gluon.py shows both).
+Measured on the H200 (NOTES-perf.md version 10): bitwise equal, and 1.2-1.6x slower than the
+Triton kernel. What was tried against the serialisation, each still C7512 with ptxas 12.8:
+consumers at 240 registers; x from shared memory (the consumer then needs 207 in this form,
+pipelined only when the whole function may use 255); one producer warp with consumer 0 as the
+default partition (Triton pads the kernel to 12 warps anyway); the PTX edited by hand to give
+the consumers 256, to drop ``.maxnreg``, or to declare ``.maxntid``/``.minnctapersm``.
 """
 import torch
 from triton.experimental import gluon
@@ -238,17 +244,18 @@ def expert_mlp_gluon_ws_kernel(
         (_ws_producer, (wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty,
                         pair_first_ptr, pair_second_ptr, pair_count_ptr, block_bank_ptr,
                         HEAD_DIM, INTER, BLOCK_N, STAGES)),
-        (_ws_consumer, (0, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr, probs_ptr,
-                        slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr, rows_ptr,
-                        slot_route_ptr, stride_x, stride_rows, num_experts, pair_first_ptr,
-                        pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER, BLOCK_M, BLOCK_N,
-                        STAGES, X_IN_REGISTERS)),
-        (_ws_consumer, (1, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr, probs_ptr,
-                        slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr, rows_ptr,
-                        slot_route_ptr, stride_x, stride_rows, num_experts, pair_first_ptr,
-                        pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER, BLOCK_M, BLOCK_N,
-                        STAGES, X_IN_REGISTERS)),
+        (_ws_consumer, (0, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr,
+                        probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
+                        rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
+                        pair_first_ptr, pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER,
+                        BLOCK_M, BLOCK_N, STAGES, X_IN_REGISTERS)),
+        (_ws_consumer, (1, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr,
+                        probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
+                        rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
+                        pair_first_ptr, pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER,
+                        BLOCK_M, BLOCK_N, STAGES, X_IN_REGISTERS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
