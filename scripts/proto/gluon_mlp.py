@@ -56,6 +56,20 @@ def _store_block_rows(acc, start, end, probs_ptr, slots_ptr, rows_ptr, slot_rout
 
 
 @gluon.jit
+def _gather_block_x(x_ptr, gather_ptr, start, end, bank, num_experts, stride_x,
+                    x_layout: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):
+    # magi_moe.kernels.blocks.block_x_rows in ``x_layout``: the block's routed tokens' x rows
+    # of the bank's head, zeros in padding rows
+    rows = start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout)).to(gl.int64)
+    row_mask = rows < end
+    tokens = gl.load(gather_ptr + rows, mask=row_mask, other=0).to(gl.int64)
+    head = bank.to(gl.int64) // num_experts
+    d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, x_layout))
+    return gl.load(x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + d[None, :],
+                   mask=row_mask[:, None], other=0.0)
+
+
+@gluon.jit
 def _load_slice(wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready_g, ready_u, ready_d,
                 t, w_row, d_row, n0, TILE_BYTES: gl.constexpr):
     G_BYTES: gl.constexpr = TILE_BYTES // 3
@@ -101,8 +115,6 @@ def expert_mlp_gluon_kernel(
         mbarrier.init(ready_u.index(i), count=1)
         mbarrier.init(ready_d.index(i), count=1)
 
-    x_rows_l: gl.constexpr = gl.SliceLayout(1, x_layout)
-    x_cols_l: gl.constexpr = gl.SliceLayout(0, x_layout)
 
     num_blocks = gl.load(block_count_ptr)
     block = gl.program_id(0)
@@ -120,13 +132,8 @@ def expert_mlp_gluon_kernel(
                         ready_d, produced % STAGES, w_row, d_row, p * BLOCK_N, TILE_BYTES)
             produced += 1
 
-        rows = start + gl.arange(0, BLOCK_M, layout=x_rows_l).to(gl.int64)
-        row_mask = rows < end
-        tokens = gl.load(gather_ptr + rows, mask=row_mask, other=0).to(gl.int64)
-        head = bank.to(gl.int64) // num_experts
-        d = gl.arange(0, HEAD_DIM, layout=x_cols_l)
-        x = gl.load(x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + d[None, :],
-                    mask=row_mask[:, None], other=0.0)
+        x = _gather_block_x(x_ptr, gather_ptr, start, end, bank, num_experts, stride_x,
+                            x_layout, BLOCK_M, HEAD_DIM)
         gl.thread_barrier()  # the previous block's MMAs are done in every warp
         x_smem.store(x)
         fence_async_shared()
@@ -245,8 +252,6 @@ def expert_mlp_gluon_t2_kernel(
     for i in gl.static_range(2):
         mbarrier.init(d_ready.index(i), count=1)
 
-    x_rows_l: gl.constexpr = gl.SliceLayout(1, x_layout)
-    x_cols_l: gl.constexpr = gl.SliceLayout(0, x_layout)
     x_lo = x_smem.slice(0, KH, dim=1).permute((1, 0))
     x_hi = x_smem.slice(KH, KH, dim=1).permute((1, 0))
 
@@ -274,13 +279,8 @@ def expert_mlp_gluon_t2_kernel(
                                             d_ready.index(slot), d_smem.index(slot))
             d_count += 1
 
-        rows = start + gl.arange(0, BLOCK_M, layout=x_rows_l).to(gl.int64)
-        row_mask = rows < end
-        tokens = gl.load(gather_ptr + rows, mask=row_mask, other=0).to(gl.int64)
-        head = bank.to(gl.int64) // num_experts
-        d = gl.arange(0, HEAD_DIM, layout=x_cols_l)
-        x = gl.load(x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + d[None, :],
-                    mask=row_mask[:, None], other=0.0)
+        x = _gather_block_x(x_ptr, gather_ptr, start, end, bank, num_experts, stride_x,
+                            x_layout, BLOCK_M, HEAD_DIM)
         x_smem.store(x)
         fence_async_shared()
         gl.thread_barrier()

@@ -35,7 +35,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     tma, mbarrier, fence_async_shared, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-from gluon_mlp import _store_block_rows, _swiglu7
+from gluon_mlp import _gather_block_x, _store_block_rows, _swiglu7
 
 
 def build_pairs(block_bank: torch.Tensor, block_count: int):
@@ -69,7 +69,7 @@ def _pair_step(pair_first_ptr, pair_second_ptr, block_bank_ptr, q):
     bank_first = gl.load(block_bank_ptr + first)
     bank_second = gl.load(block_bank_ptr + gl.maximum(second, 0))
     interleaved = (second >= 0) & (bank_second != bank_first)
-    return first, second, bank_first, bank_second, interleaved
+    return first, second, bank_first, bank_second, interleaved, 1 + interleaved.to(gl.int32)
 
 
 @gluon.jit
@@ -106,9 +106,8 @@ def _ws_producer(wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, em
     q = gl.program_id(0)
     count = 0
     while q < num_pairs:
-        first, second, bank_a, bank_b, interleaved = _pair_step(
+        first, second, bank_a, bank_b, interleaved, streams = _pair_step(
             pair_first_ptr, pair_second_ptr, block_bank_ptr, q)
-        streams = 1 + interleaved.to(gl.int32)
         for jj in range(NJ * streams):
             j = jj // streams
             bank = gl.where((jj % streams) == 1, bank_b, bank_a)
@@ -147,16 +146,13 @@ def _ws_consumer(WHICH: gl.constexpr, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, 
     else:
         x_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16],
                                                   warps_per_cta=[4, 1], order=[1, 0])
-    x_rows_l: gl.constexpr = gl.SliceLayout(1, x_layout)
-    x_cols_l: gl.constexpr = gl.SliceLayout(0, x_layout)
 
     num_pairs = gl.load(pair_count_ptr)
     q = gl.program_id(0)
     count = 0
     while q < num_pairs:
-        first, second, bank_a, bank_b, interleaved = _pair_step(
+        first, second, bank_a, bank_b, interleaved, streams = _pair_step(
             pair_first_ptr, pair_second_ptr, block_bank_ptr, q)
-        streams = 1 + interleaved.to(gl.int32)
         if WHICH == 0:
             block = first
             bank = bank_a
@@ -167,13 +163,8 @@ def _ws_consumer(WHICH: gl.constexpr, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, 
         safe_block = gl.maximum(block, 0)
         start = gl.load(block_start_ptr + safe_block)
         end = gl.where(mine, gl.load(offsets_ptr + bank.to(gl.int64) + 1), start)
-        rows = start + gl.arange(0, BLOCK_M, layout=x_rows_l).to(gl.int64)
-        row_mask = rows < end
-        tokens = gl.load(gather_ptr + rows, mask=row_mask, other=0).to(gl.int64)
-        head = bank.to(gl.int64) // num_experts
-        d = gl.arange(0, HEAD_DIM, layout=x_cols_l)
-        x = gl.load(x_ptr + tokens[:, None] * stride_x + head * HEAD_DIM + d[None, :],
-                    mask=row_mask[:, None], other=0.0)
+        x = _gather_block_x(x_ptr, gather_ptr, start, end, bank, num_experts, stride_x,
+                            x_layout, BLOCK_M, HEAD_DIM)
         if not X_IN_REGISTERS:
             # this consumer's own x tile: its previous block's MMAs are complete (waited)
             x_smem.index(WHICH).store(x)
