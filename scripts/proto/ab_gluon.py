@@ -73,6 +73,10 @@ VARIANTS = {
     "ws-64": ("expert_mlp_gluon_ws_kernel", 64, 16, 4, 1, 6, {"CONSUMER_REGS": 232}),
     "ws-64-regs": ("expert_mlp_gluon_ws_kernel", 64, 16, 4, 1, 8,
                    {"CONSUMER_REGS": 240, "X_IN_REGISTERS": True}),
+    # 8 warps: consumer 0 also issues the fills (no producer partition, no setmaxnreg)
+    "ws2-64": ("expert_mlp_gluon_ws2_kernel", 64, 16, 4, 1, 6, {"CONSUMER_REGS": 256}),
+    "ws2-64-regs": ("expert_mlp_gluon_ws2_kernel", 64, 16, 4, 1, 8,
+                    {"CONSUMER_REGS": 256, "X_IN_REGISTERS": True}),
 }
 
 
@@ -115,7 +119,7 @@ def main():
             call_tiles = replace(tabled, block_m=tiles.block_m, gu_block_n=16,
                                  gu_warps=4 if tiles.block_m == 64 else 8)
             _, vcall = made(level, call_tiles)
-            module = gluon_ws if kname.endswith("_ws_kernel") else gluon_mlp
+            module = gluon_ws if "_ws" in kname else gluon_mlp
             run = gluon_launcher(getattr(module, kname), vcall, tiles, stages,
                                  sms * per_sm, **consts)
             rows = torch.full_like(want, float("nan"))

@@ -96,12 +96,63 @@ def _skip_fill(ready, empty, c, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _load_fill(wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty, count, bank, j,
+               HEAD_DIM: gl.constexpr, INTER: gl.constexpr, BLOCK_N: gl.constexpr,
+               STAGES: gl.constexpr):
+    """Fill ``count`` of the ring: slice ``j`` of ``bank``'s weights, once both consumers have
+    released the slot's previous fill."""
+    s = count % STAGES
+    mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
+    mbarrier.expect(ready.index(s), 2 * 3 * HEAD_DIM * BLOCK_N)
+    tma.async_copy_global_to_shared(wg_desc, [bank * HEAD_DIM, j * BLOCK_N], ready.index(s),
+                                    wg_smem.index(s))
+    tma.async_copy_global_to_shared(wu_desc, [bank * HEAD_DIM, j * BLOCK_N], ready.index(s),
+                                    wu_smem.index(s))
+    tma.async_copy_global_to_shared(wd_desc, [bank * INTER + j * BLOCK_N, 0], ready.index(s),
+                                    wd_smem.index(s))
+
+
+@gluon.jit
+def _cursor_start(pair_first_ptr, pair_second_ptr, num_pairs, block_bank_ptr):
+    """The fill cursor ``(pair, fill in pair, fills issued, bank a, bank b, streams)`` at this
+    program's first pair."""
+    pq = gl.program_id(0)
+    _, _, bank_a, bank_b, _, streams = _pair_step(
+        pair_first_ptr, pair_second_ptr, block_bank_ptr,
+        gl.maximum(gl.minimum(pq, num_pairs - 1), 0))
+    return pq, pq * 0, pq * 0, bank_a, bank_b, streams
+
+
+@gluon.jit
+def _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty,
+                pair_first_ptr, pair_second_ptr, num_pairs, block_bank_ptr,
+                HEAD_DIM: gl.constexpr, INTER: gl.constexpr, BLOCK_N: gl.constexpr,
+                STAGES: gl.constexpr):
+    """The next fill in this program's order (as the producer partition issues them), if any;
+    the cursor moved on."""
+    NJ: gl.constexpr = INTER // BLOCK_N
+    pq, pjj, pcount, bank_a, bank_b, streams = cursor
+    if pq < num_pairs:
+        bank = gl.where((pjj % streams) == 1, bank_b, bank_a)
+        _load_fill(wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty, pcount,
+                   bank, pjj // streams, HEAD_DIM, INTER, BLOCK_N, STAGES)
+        pcount += 1
+        pjj += 1
+        if pjj == NJ * streams:
+            pjj = pjj * 0
+            pq += gl.num_programs(0)
+            _, _, bank_a, bank_b, _, streams = _pair_step(
+                pair_first_ptr, pair_second_ptr, block_bank_ptr,
+                gl.minimum(pq, num_pairs - 1))
+    return pq, pjj, pcount, bank_a, bank_b, streams
+
+
+@gluon.jit
 def _ws_producer(wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty,
                  pair_first_ptr, pair_second_ptr, pair_count_ptr, block_bank_ptr,
                  HEAD_DIM: gl.constexpr, INTER: gl.constexpr, BLOCK_N: gl.constexpr,
                  STAGES: gl.constexpr):
     NJ: gl.constexpr = INTER // BLOCK_N
-    SLOT_BYTES: gl.constexpr = 2 * 3 * HEAD_DIM * BLOCK_N
     num_pairs = gl.load(pair_count_ptr)
     q = gl.program_id(0)
     count = 0
@@ -109,23 +160,16 @@ def _ws_producer(wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, em
         first, second, bank_a, bank_b, interleaved, streams = _pair_step(
             pair_first_ptr, pair_second_ptr, block_bank_ptr, q)
         for jj in range(NJ * streams):
-            j = jj // streams
-            bank = gl.where((jj % streams) == 1, bank_b, bank_a)
-            s = count % STAGES
-            mbarrier.wait(empty.index(s), ((count // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), SLOT_BYTES)
-            tma.async_copy_global_to_shared(wg_desc, [bank * HEAD_DIM, j * BLOCK_N],
-                                            ready.index(s), wg_smem.index(s))
-            tma.async_copy_global_to_shared(wu_desc, [bank * HEAD_DIM, j * BLOCK_N],
-                                            ready.index(s), wu_smem.index(s))
-            tma.async_copy_global_to_shared(wd_desc, [bank * INTER + j * BLOCK_N, 0],
-                                            ready.index(s), wd_smem.index(s))
+            _load_fill(wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty, count,
+                       gl.where((jj % streams) == 1, bank_b, bank_a), jj // streams, HEAD_DIM,
+                       INTER, BLOCK_N, STAGES)
             count += 1
         q += gl.num_programs(0)
 
 
 @gluon.jit
-def _ws_consumer(WHICH: gl.constexpr, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty,
+def _ws_consumer(WHICH: gl.constexpr, PRODUCES: gl.constexpr, wg_desc, wu_desc, wd_desc,
+                 x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty,
                  gather_ptr, probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
                  rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
                  pair_first_ptr, pair_second_ptr, pair_count_ptr,
@@ -148,6 +192,12 @@ def _ws_consumer(WHICH: gl.constexpr, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, 
                                                   warps_per_cta=[4, 1], order=[1, 0])
 
     num_pairs = gl.load(pair_count_ptr)
+    cursor = _cursor_start(pair_first_ptr, pair_second_ptr, num_pairs, block_bank_ptr)
+    if PRODUCES:  # the first STAGES - 1 fills ahead; then one more per fill consumed
+        for i in gl.static_range(STAGES - 1):
+            cursor = _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem,
+                                 ready, empty, pair_first_ptr, pair_second_ptr, num_pairs,
+                                 block_bank_ptr, HEAD_DIM, INTER, BLOCK_N, STAGES)
     q = gl.program_id(0)
     count = 0
     while q < num_pairs:
@@ -184,6 +234,10 @@ def _ws_consumer(WHICH: gl.constexpr, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, 
                                          c, c - 2, j > 0, STAGES, a_layout)
                     else:
                         _skip_fill(ready, empty, c, STAGES)
+                    if PRODUCES:
+                        cursor = _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem,
+                                             ready, empty, pair_first_ptr, pair_second_ptr, num_pairs,
+                                             block_bank_ptr, HEAD_DIM, INTER, BLOCK_N, STAGES)
             out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         elif mine:  # one stream, read by both consumers (or by consumer 0 alone)
             acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
@@ -191,10 +245,18 @@ def _ws_consumer(WHICH: gl.constexpr, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, 
                 c = count + j
                 acc = _read_fill(x, wg_smem, wu_smem, wd_smem, ready, empty, zero, acc,
                                  c, c - 1, j > 0, STAGES, a_layout)
+                if PRODUCES:
+                    cursor = _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem,
+                                         ready, empty, pair_first_ptr, pair_second_ptr, num_pairs,
+                                         block_bank_ptr, HEAD_DIM, INTER, BLOCK_N, STAGES)
             out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         else:
             for j in range(NJ):
                 _skip_fill(ready, empty, count + j, STAGES)
+                if PRODUCES:
+                    cursor = _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem,
+                                         ready, empty, pair_first_ptr, pair_second_ptr, num_pairs,
+                                         block_bank_ptr, HEAD_DIM, INTER, BLOCK_N, STAGES)
             out = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
         # the last read fill's down MMA is complete
         last = count + NJ * streams - 1 - interleaved.to(gl.int32) * (1 - WHICH)
@@ -235,18 +297,68 @@ def expert_mlp_gluon_ws_kernel(
         (_ws_producer, (wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty,
                         pair_first_ptr, pair_second_ptr, pair_count_ptr, block_bank_ptr,
                         HEAD_DIM, INTER, BLOCK_N, STAGES)),
-        (_ws_consumer, (0, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr,
+        (_ws_consumer, (0, False, wg_desc, wu_desc, wd_desc, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr,
                         probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
                         rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
                         pair_first_ptr, pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER,
                         BLOCK_M, BLOCK_N, STAGES, X_IN_REGISTERS)),
-        (_ws_consumer, (1, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr,
+        (_ws_consumer, (1, False, wg_desc, wu_desc, wd_desc, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr,
                         probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
                         rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
                         pair_first_ptr, pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER,
                         BLOCK_M, BLOCK_N, STAGES, X_IN_REGISTERS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+@gluon.jit
+def expert_mlp_gluon_ws2_kernel(
+    x_ptr, wg_desc, wu_desc, wd_desc,
+    gather_ptr, probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
+    block_count_ptr, rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
+    pair_first_ptr, pair_second_ptr, pair_count_ptr,
+    HEAD_DIM: gl.constexpr, INTER: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr, CONSUMER_REGS: gl.constexpr = 256,
+    X_IN_REGISTERS: gl.constexpr = False,
+):
+    """The same pairs, fills and barriers with 8 warps and no producer partition: consumer 0
+    (the default partition) also issues the fills, STAGES - 1 ahead of what it consumes. With
+    256 threads every warp may hold 255 registers, so ptxas needs no ``setmaxnreg`` and keeps
+    the wgmmas pipelined. Consumer 1 never waits for consumer 0 except through the ring."""
+    gl.static_assert(BLOCK_M == 64, "each consumer warpgroup takes one 64-row block")
+    gl.static_assert(STAGES % 2 == 0, "interleaved pairs need an even ring")
+    gl.static_assert((INTER // BLOCK_N) % 2 == 0, "an even number of slices per stream")
+    wg_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wg_desc.layout)
+    wu_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wu_desc.layout)
+    wd_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], wd_desc.layout)
+    X_ROWS: gl.constexpr = 8 if X_IN_REGISTERS else BLOCK_M  # x in registers: no x tiles
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, X_ROWS, HEAD_DIM],
+                                       gl.NVMMASharedLayout.get_default_for([X_ROWS, HEAD_DIM],
+                                                                            gl.bfloat16))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_ws_consumer, (0, True, wg_desc, wu_desc, wd_desc, x_ptr, x_smem, wg_smem, wu_smem,
+                        wd_smem, ready, empty, gather_ptr, probs_ptr, slots_ptr, offsets_ptr,
+                        block_bank_ptr, block_start_ptr, rows_ptr, slot_route_ptr, stride_x,
+                        stride_rows, num_experts, pair_first_ptr, pair_second_ptr,
+                        pair_count_ptr, HEAD_DIM, INTER, BLOCK_M, BLOCK_N, STAGES,
+                        X_IN_REGISTERS)),
+        (_ws_consumer, (1, False, wg_desc, wu_desc, wd_desc, x_ptr, x_smem, wg_smem, wu_smem,
+                        wd_smem, ready, empty, gather_ptr, probs_ptr, slots_ptr, offsets_ptr,
+                        block_bank_ptr, block_start_ptr, rows_ptr, slot_route_ptr, stride_x,
+                        stride_rows, num_experts, pair_first_ptr, pair_second_ptr,
+                        pair_count_ptr, HEAD_DIM, INTER, BLOCK_M, BLOCK_N, STAGES,
+                        X_IN_REGISTERS)),
+    ], [4], [CONSUMER_REGS])
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

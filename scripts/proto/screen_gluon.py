@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2:
         sys.exit(__doc__)
-    kernel = getattr(gluon_ws if argv[0].endswith("_ws_kernel") else gluon_mlp, argv[0])
+    kernel = getattr(gluon_ws if "_ws" in argv[0] else gluon_mlp, argv[0])
     for spec in argv[1:]:
         fields = json.loads(spec)
         shape = [fields.pop(k) for k in ("block_m", "block_n", "warps")]
