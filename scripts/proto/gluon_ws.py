@@ -193,8 +193,12 @@ def _ws_consumer(WHICH: gl.constexpr, PRODUCES: gl.constexpr, wg_desc, wu_desc, 
 
     num_pairs = gl.load(pair_count_ptr)
     cursor = _cursor_start(pair_first_ptr, pair_second_ptr, num_pairs, block_bank_ptr)
-    if PRODUCES:  # the first STAGES - 1 fills ahead; then one more per fill consumed
-        for i in gl.static_range(STAGES - 1):
+    # Issuing: the first STAGES - 2 fills ahead, then one per fill consumed, so the slot being
+    # refilled held the fill two back. One back would deadlock an interleaved pair: after
+    # skipping fill 2j+1, consumer 0 would wait for its own release of fill 2j, which it gives
+    # only at its next read.
+    if PRODUCES:
+        for i in gl.static_range(STAGES - 2):
             cursor = _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem,
                                  ready, empty, pair_first_ptr, pair_second_ptr, num_pairs,
                                  block_bank_ptr, HEAD_DIM, INTER, BLOCK_N, STAGES)
@@ -326,7 +330,7 @@ def expert_mlp_gluon_ws2_kernel(
     X_IN_REGISTERS: gl.constexpr = False,
 ):
     """The same pairs, fills and barriers with 8 warps and no producer partition: consumer 0
-    (the default partition) also issues the fills, STAGES - 1 ahead of what it consumes. With
+    (the default partition) also issues the fills, STAGES - 2 ahead of what it consumes. With
     256 threads every warp may hold 255 registers, so ptxas needs no ``setmaxnreg`` and keeps
     the wgmmas pipelined. Consumer 1 never waits for consumer 0 except through the ring."""
     gl.static_assert(BLOCK_M == 64, "each consumer warpgroup takes one 64-row block")
