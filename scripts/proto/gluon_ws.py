@@ -22,12 +22,17 @@ reads: no consumer skips a fill, so parity waits never confuse two fills of one 
 Triton 3.6 emits ``setmaxnreg`` for the partitions (producer 40, consumers 232), but ptxas
 serialises every wgmma of the consumers ("insufficient register resources", C7512) although
 the same consumer code alone needs 190 registers and pipelines (screen_gluon.py shows both).
-Measured on the H200 (NOTES-perf.md version 10): bitwise equal, and 1.2-1.6x slower than the
+Measured on the H200 (NOTES-perf.md version 10): bitwise equal, and 1.1-1.6x slower than the
 Triton kernel. What was tried against the serialisation, each still C7512 with ptxas 12.8:
 consumers at 240 registers; x from shared memory (the consumer then needs 207 in this form,
 pipelined only when the whole function may use 255); one producer warp with consumer 0 as the
 default partition (Triton pads the kernel to 12 warps anyway); the PTX edited by hand to give
 the consumers 256, to drop ``.maxnreg``, or to declare ``.maxntid``/``.minnctapersm``.
+
+``expert_mlp_gluon_ws2_kernel`` avoids ``setmaxnreg``. It runs 8 warps, and consumer 0 issues
+the fills itself, so ptxas keeps the wgmmas pipelined. It is bitwise equal and 9-13% slower
+than Triton: it reads 24% less from L2, but its L2 hit rate falls and it waits longer on
+memory (Nsight Compute, version 10).
 """
 import torch
 from triton.experimental import gluon
@@ -39,27 +44,33 @@ from gluon_mlp import _gather_block_x, _store_block_rows, _swiglu7
 
 
 def build_pairs(block_bank: torch.Tensor, block_count: int):
-    """``(first, second)`` int32 block indices per pair: blocks of one bank two by two, then the
-    banks' odd blocks two by two, a lone last one with ``second = -1`` at the very end (the
-    consumers' parity argument needs it last)."""
-    banks = block_bank[:block_count].long()
-    idx = torch.arange(block_count, device=banks.device)
-    first_of_bank = torch.ones_like(banks, dtype=torch.bool)
-    first_of_bank[1:] = banks[1:] != banks[:-1]
-    run_start = torch.cummax(torch.where(first_of_bank, idx, torch.zeros_like(idx)), 0).values
-    pos = idx - run_start
-    nxt_same = torch.zeros_like(first_of_bank)
-    nxt_same[:-1] = banks[1:] == banks[:-1]
-    lead = (pos % 2 == 0) & nxt_same          # first of a same-bank pair
-    follow = torch.zeros_like(lead)
-    follow[1:] = lead[:-1]
-    lone = ~lead & ~follow
-    lone_idx = idx[lone]
-    firsts = torch.cat([idx[lead], lone_idx[0::2]])
-    seconds = torch.cat([idx[lead] + 1, lone_idx[1::2]])
-    if seconds.numel() < firsts.numel():
-        seconds = torch.cat([seconds, seconds.new_full((1,), -1)])
-    return firsts.to(torch.int32).contiguous(), seconds.to(torch.int32).contiguous()
+    """``(first, second)`` int32 block indices per pair, in block order (so a bank's pairs run
+    close together in time and meet in L2): two consecutive blocks of one bank pair up; a block
+    left alone pairs with the next block left alone; a last lone one gets ``second = -1`` (it
+    is last: the consumers' parity argument needs it there)."""
+    banks = block_bank[:block_count].tolist()
+    firsts, seconds = [], []
+    pending = None  # a block left alone, waiting for the next one
+    b = 0
+    while b < block_count:
+        if b + 1 < block_count and banks[b + 1] == banks[b]:
+            firsts.append(b)
+            seconds.append(b + 1)
+            b += 2
+            continue
+        if pending is None:
+            pending = b
+        else:
+            firsts.append(pending)
+            seconds.append(b)
+            pending = None
+        b += 1
+    if pending is not None:
+        firsts.append(pending)
+        seconds.append(-1)
+    device = block_bank.device
+    return (torch.tensor(firsts, dtype=torch.int32, device=device),
+            torch.tensor(seconds, dtype=torch.int32, device=device))
 
 
 @gluon.jit
