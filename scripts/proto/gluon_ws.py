@@ -30,7 +30,7 @@ default partition (Triton pads the kernel to 12 warps anyway); the PTX edited by
 the consumers 256, to drop ``.maxnreg``, or to declare ``.maxntid``/``.minnctapersm``.
 
 ``expert_mlp_gluon_ws2_kernel`` avoids ``setmaxnreg``. It runs 8 warps, and consumer 0 issues
-the fills itself, so ptxas keeps the wgmmas pipelined. It is bitwise equal and 9-13% slower
+the fills itself, so ptxas keeps the wgmmas pipelined. It is bitwise equal and 7-15% slower
 than Triton: it reads 24% less from L2, but its L2 hit rate falls and it waits longer on
 memory (Nsight Compute, version 10).
 """
