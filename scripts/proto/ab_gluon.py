@@ -45,13 +45,13 @@ def gluon_launcher(kernel, call, tiles, stages, grid, **consts):
 
     pair_args = ()
     if "CONSUMER_REGS" in consts:  # the warp-specialised kernel: its pair schedule, made here
-        first, second = gluon_ws.build_pairs(block_bank, int(block_count.item()))
+        blocks = int(block_count.item())
+        first, second = gluon_ws.build_pairs(block_bank, blocks)
         count = torch.tensor([first.numel()], dtype=torch.int32, device=first.device)
         pair_args = (first, second, count)
         same = int((second >= 0).logical_and(
             block_bank[second.clamp(min=0).long()] == block_bank[first.long()]).sum())
-        print(f"  pairs {first.numel()} (one bank {same}) for {int(block_count.item())} blocks",
-              flush=True)
+        print(f"  pairs {first.numel()} (one bank {same}) for {blocks} blocks", flush=True)
 
     def run(rows):
         kernel[(grid,)](

@@ -115,7 +115,6 @@ def expert_mlp_gluon_kernel(
         mbarrier.init(ready_u.index(i), count=1)
         mbarrier.init(ready_d.index(i), count=1)
 
-
     num_blocks = gl.load(block_count_ptr)
     block = gl.program_id(0)
     produced = 0

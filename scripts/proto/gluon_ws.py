@@ -135,13 +135,14 @@ def _cursor_start(pair_first_ptr, pair_second_ptr, num_pairs, block_bank_ptr):
 
 
 @gluon.jit
-def _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty,
-                pair_first_ptr, pair_second_ptr, num_pairs, block_bank_ptr,
-                HEAD_DIM: gl.constexpr, INTER: gl.constexpr, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr):
+def _issue_next(cursor, ring, pairs, HEAD_DIM: gl.constexpr, INTER: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """The next fill in this program's order (as the producer partition issues them), if any;
-    the cursor moved on."""
+    the cursor moved on. ``ring``: the descriptors, tiles and barriers; ``pairs``: the pair
+    schedule (no constexprs in either tuple: Gluon would turn them into tensors)."""
     NJ: gl.constexpr = INTER // BLOCK_N
+    wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty = ring
+    pair_first_ptr, pair_second_ptr, num_pairs, block_bank_ptr = pairs
     pq, pjj, pcount, bank_a, bank_b, streams = cursor
     if pq < num_pairs:
         bank = gl.where((pjj % streams) == 1, bank_b, bank_a)
@@ -204,15 +205,15 @@ def _ws_consumer(WHICH: gl.constexpr, PRODUCES: gl.constexpr, wg_desc, wu_desc, 
 
     num_pairs = gl.load(pair_count_ptr)
     cursor = _cursor_start(pair_first_ptr, pair_second_ptr, num_pairs, block_bank_ptr)
+    ring = (wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty)
+    pairs = (pair_first_ptr, pair_second_ptr, num_pairs, block_bank_ptr)
     # Issuing: the first STAGES - 2 fills ahead, then one per fill consumed, so the slot being
     # refilled held the fill two back. One back would deadlock an interleaved pair: after
     # skipping fill 2j+1, consumer 0 would wait for its own release of fill 2j, which it gives
     # only at its next read.
     if PRODUCES:
         for i in gl.static_range(STAGES - 2):
-            cursor = _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem,
-                                 ready, empty, pair_first_ptr, pair_second_ptr, num_pairs,
-                                 block_bank_ptr, HEAD_DIM, INTER, BLOCK_N, STAGES)
+            cursor = _issue_next(cursor, ring, pairs, HEAD_DIM, INTER, BLOCK_N, STAGES)
     q = gl.program_id(0)
     count = 0
     while q < num_pairs:
@@ -250,9 +251,7 @@ def _ws_consumer(WHICH: gl.constexpr, PRODUCES: gl.constexpr, wg_desc, wu_desc, 
                     else:
                         _skip_fill(ready, empty, c, STAGES)
                     if PRODUCES:
-                        cursor = _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem,
-                                             ready, empty, pair_first_ptr, pair_second_ptr, num_pairs,
-                                             block_bank_ptr, HEAD_DIM, INTER, BLOCK_N, STAGES)
+                        cursor = _issue_next(cursor, ring, pairs, HEAD_DIM, INTER, BLOCK_N, STAGES)
             out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         elif mine:  # one stream, read by both consumers (or by consumer 0 alone)
             acc = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout))
@@ -261,17 +260,13 @@ def _ws_consumer(WHICH: gl.constexpr, PRODUCES: gl.constexpr, wg_desc, wu_desc, 
                 acc = _read_fill(x, wg_smem, wu_smem, wd_smem, ready, empty, zero, acc,
                                  c, c - 1, j > 0, STAGES, a_layout)
                 if PRODUCES:
-                    cursor = _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem,
-                                         ready, empty, pair_first_ptr, pair_second_ptr, num_pairs,
-                                         block_bank_ptr, HEAD_DIM, INTER, BLOCK_N, STAGES)
+                    cursor = _issue_next(cursor, ring, pairs, HEAD_DIM, INTER, BLOCK_N, STAGES)
             out = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         else:
             for j in range(NJ):
                 _skip_fill(ready, empty, count + j, STAGES)
                 if PRODUCES:
-                    cursor = _issue_next(cursor, wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem,
-                                         ready, empty, pair_first_ptr, pair_second_ptr, num_pairs,
-                                         block_bank_ptr, HEAD_DIM, INTER, BLOCK_N, STAGES)
+                    cursor = _issue_next(cursor, ring, pairs, HEAD_DIM, INTER, BLOCK_N, STAGES)
             out = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, acc_layout)
         # the last read fill's down MMA is complete
         last = count + NJ * streams - 1 - interleaved.to(gl.int32) * (1 - WHICH)
@@ -284,6 +279,38 @@ def _ws_consumer(WHICH: gl.constexpr, PRODUCES: gl.constexpr, wg_desc, wu_desc, 
 
 
 @gluon.jit
+def _allocate_ring(wg_desc, wu_desc, wd_desc, HEAD_DIM: gl.constexpr, INTER: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   X_IN_REGISTERS: gl.constexpr):
+    """The weight ring (``STAGES`` slots of gate, up and down tiles), each consumer's x tile,
+    and the ring's ``ready`` (count 1: the TMA bytes) and ``empty`` (count 2: one arrival per
+    consumer) barriers."""
+    gl.static_assert(BLOCK_M == 64, "each consumer warpgroup takes one 64-row block")
+    gl.static_assert(STAGES % 2 == 0, "interleaved pairs need an even ring")
+    gl.static_assert((INTER // BLOCK_N) % 2 == 0, "an even number of slices per stream")
+    wg_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wg_desc.layout)
+    wu_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wu_desc.layout)
+    wd_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], wd_desc.layout)
+    X_ROWS: gl.constexpr = 8 if X_IN_REGISTERS else BLOCK_M  # x in registers: no x tiles
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, X_ROWS, HEAD_DIM],
+                                       gl.NVMMASharedLayout.get_default_for([X_ROWS, HEAD_DIM],
+                                                                            gl.bfloat16))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return wg_smem, wu_smem, wd_smem, x_smem, ready, empty
+
+
+@gluon.jit
+def _invalidate_ring(ready, empty, STAGES: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+@gluon.jit
 def expert_mlp_gluon_ws_kernel(
     x_ptr, wg_desc, wu_desc, wd_desc,
     gather_ptr, probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
@@ -293,41 +320,29 @@ def expert_mlp_gluon_ws_kernel(
     STAGES: gl.constexpr, num_warps: gl.constexpr, CONSUMER_REGS: gl.constexpr = 232,
     X_IN_REGISTERS: gl.constexpr = False,
 ):
-    gl.static_assert(BLOCK_M == 64, "each consumer warpgroup takes one 64-row block")
-    gl.static_assert(STAGES % 2 == 0, "interleaved pairs need an even ring")
-    gl.static_assert((INTER // BLOCK_N) % 2 == 0, "an even number of slices per stream")
-    wg_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wg_desc.layout)
-    wu_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wu_desc.layout)
-    wd_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], wd_desc.layout)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, BLOCK_M, HEAD_DIM],
-                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM],
-                                                                            gl.bfloat16))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    wg_smem, wu_smem, wd_smem, x_smem, ready, empty = _allocate_ring(
+        wg_desc, wu_desc, wd_desc, HEAD_DIM, INTER, BLOCK_M, BLOCK_N, STAGES, X_IN_REGISTERS)
 
+    # each partition's arguments written out in the call: a tuple kept in a variable turns the
+    # constexprs in it into tensors (Triton 3.6's Gluon), which the partitions cannot use
     gl.warp_specialize([
         (_ws_producer, (wg_desc, wu_desc, wd_desc, wg_smem, wu_smem, wd_smem, ready, empty,
                         pair_first_ptr, pair_second_ptr, pair_count_ptr, block_bank_ptr,
                         HEAD_DIM, INTER, BLOCK_N, STAGES)),
-        (_ws_consumer, (0, False, wg_desc, wu_desc, wd_desc, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr,
-                        probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
-                        rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
-                        pair_first_ptr, pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER,
-                        BLOCK_M, BLOCK_N, STAGES, X_IN_REGISTERS)),
-        (_ws_consumer, (1, False, wg_desc, wu_desc, wd_desc, x_ptr, x_smem, wg_smem, wu_smem, wd_smem, ready, empty, gather_ptr,
-                        probs_ptr, slots_ptr, offsets_ptr, block_bank_ptr, block_start_ptr,
-                        rows_ptr, slot_route_ptr, stride_x, stride_rows, num_experts,
-                        pair_first_ptr, pair_second_ptr, pair_count_ptr, HEAD_DIM, INTER,
-                        BLOCK_M, BLOCK_N, STAGES, X_IN_REGISTERS)),
+        (_ws_consumer, (0, False, wg_desc, wu_desc, wd_desc, x_ptr, x_smem, wg_smem, wu_smem,
+                        wd_smem, ready, empty, gather_ptr, probs_ptr, slots_ptr, offsets_ptr,
+                        block_bank_ptr, block_start_ptr, rows_ptr, slot_route_ptr, stride_x,
+                        stride_rows, num_experts, pair_first_ptr, pair_second_ptr,
+                        pair_count_ptr, HEAD_DIM, INTER, BLOCK_M, BLOCK_N, STAGES,
+                        X_IN_REGISTERS)),
+        (_ws_consumer, (1, False, wg_desc, wu_desc, wd_desc, x_ptr, x_smem, wg_smem, wu_smem,
+                        wd_smem, ready, empty, gather_ptr, probs_ptr, slots_ptr, offsets_ptr,
+                        block_bank_ptr, block_start_ptr, rows_ptr, slot_route_ptr, stride_x,
+                        stride_rows, num_experts, pair_first_ptr, pair_second_ptr,
+                        pair_count_ptr, HEAD_DIM, INTER, BLOCK_M, BLOCK_N, STAGES,
+                        X_IN_REGISTERS)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
-
-
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    _invalidate_ring(ready, empty, STAGES)
 
 
 @gluon.jit
@@ -344,22 +359,11 @@ def expert_mlp_gluon_ws2_kernel(
     (the default partition) also issues the fills, STAGES - 2 ahead of what it consumes. With
     256 threads every warp may hold 255 registers, so ptxas needs no ``setmaxnreg`` and keeps
     the wgmmas pipelined. Consumer 1 never waits for consumer 0 except through the ring."""
-    gl.static_assert(BLOCK_M == 64, "each consumer warpgroup takes one 64-row block")
-    gl.static_assert(STAGES % 2 == 0, "interleaved pairs need an even ring")
-    gl.static_assert((INTER // BLOCK_N) % 2 == 0, "an even number of slices per stream")
-    wg_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wg_desc.layout)
-    wu_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, HEAD_DIM, BLOCK_N], wu_desc.layout)
-    wd_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM], wd_desc.layout)
-    X_ROWS: gl.constexpr = 8 if X_IN_REGISTERS else BLOCK_M  # x in registers: no x tiles
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [2, X_ROWS, HEAD_DIM],
-                                       gl.NVMMASharedLayout.get_default_for([X_ROWS, HEAD_DIM],
-                                                                            gl.bfloat16))
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)
+    wg_smem, wu_smem, wd_smem, x_smem, ready, empty = _allocate_ring(
+        wg_desc, wu_desc, wd_desc, HEAD_DIM, INTER, BLOCK_M, BLOCK_N, STAGES, X_IN_REGISTERS)
 
+    # the arguments written out, as in expert_mlp_gluon_ws_kernel (constexprs in a tuple
+    # variable would turn into tensors)
     gl.warp_specialize([
         (_ws_consumer, (0, True, wg_desc, wu_desc, wd_desc, x_ptr, x_smem, wg_smem, wu_smem,
                         wd_smem, ready, empty, gather_ptr, probs_ptr, slots_ptr, offsets_ptr,
@@ -374,7 +378,4 @@ def expert_mlp_gluon_ws2_kernel(
                         pair_count_ptr, HEAD_DIM, INTER, BLOCK_M, BLOCK_N, STAGES,
                         X_IN_REGISTERS)),
     ], [4], [CONSUMER_REGS])
-
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
+    _invalidate_ring(ready, empty, STAGES)
