@@ -365,12 +365,16 @@ def test_ep_on_gloo_equals_one_process_bitwise(case, gloo_outputs):
 
 # -- two GPUs on NCCL (scripts/gpu_ep.sh) ------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def nccl_outputs(tmp_path_factory) -> str:
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
+def _skip_without_gpus(count: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < count:
+        pytest.skip("needs 2 CUDA GPUs" if count == 2 else "needs a CUDA GPU")
     if BACKENDS["cuda"].unavailable_reason():
         pytest.skip(f"cuda backend unavailable: {BACKENDS['cuda'].unavailable_reason()}")
+
+
+@pytest.fixture(scope="module")
+def nccl_outputs(tmp_path_factory) -> str:
+    _skip_without_gpus(2)
     for key, value in NCCL_ENV.items():
         os.environ.setdefault(key, value)
     return _spawn("nccl", 2, GPU_CASES, tmp_path_factory.mktemp("ep-nccl"))
@@ -390,10 +394,7 @@ def test_ep_on_nccl_equals_one_process(case, nccl_outputs):
 
 @pytest.fixture(scope="module")
 def shared_gpu_outputs(tmp_path_factory) -> str:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    if BACKENDS["cuda"].unavailable_reason():
-        pytest.skip(f"cuda backend unavailable: {BACKENDS['cuda'].unavailable_reason()}")
+    _skip_without_gpus(1)
     return _spawn("gloo", 2, GPU_CASES, tmp_path_factory.mktemp("ep-gloo-cuda"), shared_gpu=True)
 
 
