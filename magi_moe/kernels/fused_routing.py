@@ -117,30 +117,28 @@ def router_topk_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + head * NUM_EXPERTS + e, mask=e_mask, other=0.0)
         selection = scores + bias[None, :]
-    # Top-K as K max-reductions of one int64 key per (token, expert): the selection's bits in an
-    # order-preserving integer form above the complemented expert index, so the larger key is
-    # the higher selection and, among equal selections, the lower index (the tie rule of
-    # magi_moe.routing.select_experts). -0.0 is made +0.0 first (they are equal selections);
-    # NaN ranks strictly last, below -inf, the lower index first. Taken or padded experts get
-    # the smallest int64, which no real expert's key may equal: NaN's high word is therefore
-    # INT32_MIN + 1, not INT32_MIN (with that, a NaN expert at index E_PAD - 1, whose low word
-    # is 0, read as taken and was counted as a route; tests/test_fused.py). One reduction per
-    # pick, where comparing values and indices took four.
+    # Top-K as K picks, each two int32 max/min-reductions: the selection's bits in an
+    # order-preserving integer form (larger key, higher selection), then the lowest expert index
+    # holding the largest key (the tie rule of magi_moe.routing.select_experts). -0.0 is made
+    # +0.0 first (they are equal selections); NaN ranks strictly last, below -inf, the lower
+    # index first. Taken or padded experts get INT32_MIN, which no real expert's key may equal:
+    # NaN's key is therefore INT32_MIN + 1 (at INT32_MIN a NaN expert read as taken and was
+    # counted as a route; tests/test_fused.py). One int64 key per (token, expert), selection
+    # above the complemented index, took one reduction a pick but 190 registers a thread, so
+    # one program per SM; int32 keys fit 128, two programs (NOTES-perf.md, version 11).
     bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)         # signed order == float order
     ordered = tl.where(selection == selection, ordered, -2147483647)  # NaN: below -inf
-    low = (E_PAD - 1 - e).to(tl.int64)
-    key = tl.where(e_mask[None, :] & (s[:, None] >= 0),
-                   (ordered.to(tl.int64) << 32) | low[None, :], -9223372036854775808)
+    key = tl.where(e_mask[None, :] & (s[:, None] >= 0), ordered, -2147483648)
     kk = tl.arange(0, K_PAD)
     chosen_ids = tl.zeros((BLOCK_S, K_PAD), dtype=tl.int32)
     chosen_p = tl.zeros((BLOCK_S, K_PAD), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         best = tl.max(key, axis=1)
-        idx = E_PAD - 1 - best.to(tl.int32)  # the low word: the complemented index
+        idx = tl.min(tl.where(key == best[:, None], e[None, :], E_PAD), axis=1)
         pick = e[None, :] == idx[:, None]
         p_k = tl.sum(tl.where(pick, scores, 0.0), axis=1)           # unbiased score
-        key = tl.where(pick, -9223372036854775808, key)
+        key = tl.where(pick, -2147483648, key)
         chosen_ids = tl.where(kk[None, :] == k, idx[:, None], chosen_ids)
         chosen_p = tl.where(kk[None, :] == k, p_k[:, None], chosen_p)
 
@@ -155,7 +153,7 @@ def router_topk_kernel(
     tl.store(probs_ptr + out_offsets, chosen_p, mask=out_mask)
 
     # Routes per bank of this token block: the chosen (no longer available) real experts.
-    taken = e_mask[None, :] & s_mask[:, None] & (key == -9223372036854775808)
+    taken = e_mask[None, :] & s_mask[:, None] & (key == -2147483648)
     counts = tl.sum(taken.to(tl.int32), axis=0)
     tl.store(block_counts_ptr + tb.to(tl.int64) * (NUM_HEADS * NUM_EXPERTS)
              + head * NUM_EXPERTS + e, counts, mask=e_mask)
