@@ -40,6 +40,13 @@ NORM_EPS_VALUE = tl.constexpr(NORM_EPS)
 
 
 @triton.jit
+def _higher_selection(key_a, expert_a, score_a, key_b, expert_b, score_b):
+    """The reduction of a pick: the larger key, on equal keys the lower expert index."""
+    a = (key_a > key_b) | ((key_a == key_b) & (expert_a < expert_b))
+    return tl.where(a, key_a, key_b), tl.where(a, expert_a, expert_b), tl.where(a, score_a, score_b)
+
+
+@triton.jit
 def router_topk_kernel(
     # pointers
     x_ptr,            # [S, H*Dh] bf16/fp16/fp32, unit stride in the last dim
@@ -117,28 +124,27 @@ def router_topk_kernel(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + head * NUM_EXPERTS + e, mask=e_mask, other=0.0)
         selection = scores + bias[None, :]
-    # Top-K as K picks, each two int32 max/min-reductions: the selection's bits in an
-    # order-preserving integer form (larger key, higher selection), then the lowest expert index
-    # holding the largest key (the tie rule of magi_moe.routing.select_experts). -0.0 is made
-    # +0.0 first (they are equal selections); NaN ranks strictly last, below -inf, the lower
-    # index first. Taken or padded experts get INT32_MIN, which no real expert's key may equal:
-    # NaN's key is therefore INT32_MIN + 1 (at INT32_MIN a NaN expert read as taken and was
-    # counted as a route; tests/test_fused.py). One int64 key per (token, expert), selection
-    # above the complemented index, took one reduction a pick but 190 registers a thread, so
-    # one program per SM; int32 keys fit 128, two programs (NOTES-perf.md, version 11).
+    # Top-K as K picks, each one reduction over (key, expert index, score): the selection's
+    # bits in an order-preserving integer form (the larger key is the higher selection), on equal
+    # keys the lower index (the tie rule of magi_moe.routing.select_experts), the winner's
+    # unbiased score carried along. -0.0 is made +0.0 first (they are equal selections); NaN
+    # ranks strictly last, below -inf, the lower index first. Taken or padded experts get
+    # INT32_MIN, which no real expert's key may equal: NaN's key is therefore INT32_MIN + 1 (at
+    # INT32_MIN a NaN expert read as taken and was counted as a route; tests/test_fused.py).
+    # An int64 key (selection above the complemented index) took 190 registers a thread, one
+    # program per SM; separate max, index and score reductions took twice the barriers
+    # (NOTES-perf.md, version 11).
     bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)         # signed order == float order
     ordered = tl.where(selection == selection, ordered, -2147483647)  # NaN: below -inf
     key = tl.where(e_mask[None, :] & (s[:, None] >= 0), ordered, -2147483648)
+    experts = tl.broadcast_to(e[None, :], (BLOCK_S, E_PAD))
     kk = tl.arange(0, K_PAD)
     chosen_ids = tl.zeros((BLOCK_S, K_PAD), dtype=tl.int32)
     chosen_p = tl.zeros((BLOCK_S, K_PAD), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(key, axis=1)
-        idx = tl.min(tl.where(key == best[:, None], e[None, :], E_PAD), axis=1)
-        pick = e[None, :] == idx[:, None]
-        p_k = tl.sum(tl.where(pick, scores, 0.0), axis=1)           # unbiased score
-        key = tl.where(pick, -2147483648, key)
+        _, idx, p_k = tl.reduce((key, experts, scores), 1, _higher_selection)
+        key = tl.where(e[None, :] == idx[:, None], -2147483648, key)
         chosen_ids = tl.where(kk[None, :] == k, idx[:, None], chosen_ids)
         chosen_p = tl.where(kk[None, :] == k, p_k[:, None], chosen_p)
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -20,6 +21,8 @@ class FusedWorkspace:
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # buffers are made on
+            self.device = torch.device("cuda", torch.cuda.current_device())  # another thread
         self._buffers: dict[str, torch.Tensor] = {}
         self._views: dict[str, tuple] = {}
         self.allocations = 0
@@ -52,12 +55,39 @@ class FusedWorkspace:
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
             if buf is not None and self.captured:
                 self._retired.append(buf)
-            buf = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+            buf = self._allocate(max(numel, 1), dtype)
             self._buffers[name] = buf
             self.allocations += 1
         view = buf[:numel].view(shape)
         self._views[name] = (shape, dtype, view)
         return view
+
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            # capturing: the graph's own pool (cudaMalloc elsewhere would break the capture)
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        # Inductor's cudagraph trees warm a compiled layer up with this thread's allocations
+        # routed to their pool; a buffer made there would outlive the graph's outputs, which
+        # they refuse ("tensors in the cudagraph pool not tracked as outputs") on a compiled
+        # layer's first call in a process. The routing is per thread (a side stream did not
+        # escape it, tests/test_compiled_layer.py), so buffers are made by another thread from
+        # the ordinary allocator, and marked as used on the caller's stream, so that memory
+        # freed when a buffer grows waits for this stream's work before it is reused.
+        made: list = []
+
+        def make() -> None:
+            try:
+                made.append(torch.empty(numel, dtype=dtype, device=self.device))
+            except BaseException as error:  # out of memory: raised below, in the caller
+                made.append(error)
+        maker = threading.Thread(target=make, name="magi-moe-workspace")
+        maker.start()
+        maker.join()
+        buf = made[0]
+        if isinstance(buf, BaseException):
+            raise buf
+        buf.record_stream(torch.cuda.current_stream(self.device))
+        return buf
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())

@@ -25,21 +25,20 @@ from magi_moe.kernels.tiles import choose_routing_tiles  # noqa: E402
 from magi_moe.kernels.workspace import FusedWorkspace  # noqa: E402
 import router_variants as RV  # noqa: E402
 
-# (block_s, block_d, warps, stages, presplit, relayout, key32); the first row is the old kernel
+# (block_s, block_d, warps, stages, presplit, relayout, key32, tuple); the first row is the
+# int64-key kernel
 VARIANTS = (
-    (32, 32, 8, 3, False, False, False),
-    (32, 32, 8, 3, False, False, True),
-    (32, 32, 8, 3, True, False, True),
-    (32, 32, 8, 2, False, False, True),
-    (16, 32, 4, 3, False, False, True),
-    (16, 32, 4, 3, True, False, True),
-    (16, 32, 8, 3, False, False, True),
-    (32, 64, 8, 2, True, False, False),
+    (32, 32, 8, 3, False, False, False, False),
+    (32, 32, 8, 3, False, False, True, False),
+    (32, 32, 8, 3, False, False, False, True),
+    (32, 32, 8, 4, False, False, False, True),
+    (16, 32, 4, 3, False, False, False, True),
+    (32, 64, 8, 2, False, False, False, True),
 )
 
 
 def run_variant(problem, variant, parts, scratch):
-    bs, bd, warps, stages, presplit, relayout, key32 = variant
+    bs, bd, warps, stages, presplit, relayout, key32, tup = variant
     cfg, x = problem.config, problem.x
     S, H, E, K = x.shape[0], cfg.num_heads, cfg.num_experts, cfg.top_k
     TB = triton.cdiv(S, bs)
@@ -57,7 +56,7 @@ def run_variant(problem, variant, parts, scratch):
             NUM_HEADS=H, HEAD_DIM=cfg.head_dim, NUM_EXPERTS=E, E_PAD=max(16, triton.next_power_of_2(E)),
             TOP_K=K, K_PAD=max(2, triton.next_power_of_2(K)), BLOCK_S=bs, BLOCK_D=bd,
             ROUTE_NORM=cfg.route_norm, HAS_BIAS=problem.bias is not None, PRESPLIT=presplit,
-            RELAYOUT=relayout, KEY32=key32, num_warps=warps, num_stages=stages)
+            RELAYOUT=relayout, KEY32=key32, TUPLE=tup, num_warps=warps, num_stages=stages)
     launch()
     return launch, ids, probs, counts
 
@@ -82,7 +81,7 @@ def main() -> int:
             torch.cuda.synchronize()
             key = variant[1]  # block_d
             if key not in base:  # the old kernel's rows at this block_d
-                old = (variant[0], variant[1], variant[2], 3, False, False, False)
+                old = (variant[0], variant[1], variant[2], 3, False, False, False, False)
                 _, o_ids, o_probs, o_counts = run_variant(problem, old, parts, scratch)
                 base[key] = (o_ids, o_probs, o_counts, variant[0])
             o_ids, o_probs, o_counts, o_bs = base[key]
@@ -96,7 +95,7 @@ def main() -> int:
         tiles = choose_routing_tiles(cfg, device)
         routes = FR.fused_route(problem.x, problem.gate, problem.bias, cfg, block_m=64,
                                 workspace=ws, tiles=tiles)
-        _, o_ids, o_probs, _ = run_variant(problem, (32, tiles.fitted(cfg).block_d, 8, 3, False, False, False),
+        _, o_ids, o_probs, _ = run_variant(problem, (32, tiles.fitted(cfg).block_d, 8, 3, False, False, False, False),
                                            parts, scratch)
         differ = int((routes.expert_ids != o_ids).sum()) + int(
             (routes.probs.view(torch.int32) != o_probs.view(torch.int32)).sum())

@@ -35,6 +35,13 @@ def split_gate_kernel(gate_ptr, g1_ptr, g2_ptr, g3_ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _pick_combine(key_a, idx_a, p_a, key_b, idx_b, p_b):
+    a_wins = (key_a > key_b) | ((key_a == key_b) & (idx_a < idx_b))
+    return (tl.where(a_wins, key_a, key_b), tl.where(a_wins, idx_a, idx_b),
+            tl.where(a_wins, p_a, p_b))
+
+
+@triton.jit
 def router_topk_variant_kernel(
     x_ptr, gate_ptr, g1_ptr, g2_ptr, g3_ptr, bias_ptr, ids_ptr, probs_ptr, block_counts_ptr,
     scratch_ptr, num_tokens, stride_x, route_scale,
@@ -42,7 +49,7 @@ def router_topk_variant_kernel(
     E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, ROUTE_NORM: tl.constexpr,
     HAS_BIAS: tl.constexpr, PRESPLIT: tl.constexpr, RELAYOUT: tl.constexpr,
-    KEY32: tl.constexpr,
+    KEY32: tl.constexpr, TUPLE: tl.constexpr,
 ):
     tb = tl.program_id(0)
     head = tl.program_id(1)
@@ -92,7 +99,19 @@ def router_topk_variant_kernel(
     kk = tl.arange(0, K_PAD)
     chosen_ids = tl.zeros((BLOCK_S, K_PAD), dtype=tl.int32)
     chosen_p = tl.zeros((BLOCK_S, K_PAD), dtype=tl.float32)
-    if KEY32:
+    if TUPLE:
+        # one reduction a pick over (key, index, score): the larger key, on equal keys the
+        # lower index, and the winner's score carried along (no separate where-sum)
+        key32 = tl.where(e_mask[None, :] & (s[:, None] >= 0), ordered, INT32_MIN)
+        ee = tl.broadcast_to(e[None, :], (BLOCK_S, E_PAD))
+        for k in tl.static_range(TOP_K):
+            best, idx, p_k = tl.reduce((key32, ee, scores), 1, _pick_combine)
+            pick = e[None, :] == idx[:, None]
+            key32 = tl.where(pick, INT32_MIN, key32)
+            chosen_ids = tl.where(kk[None, :] == k, idx[:, None], chosen_ids)
+            chosen_p = tl.where(kk[None, :] == k, p_k[:, None], chosen_p)
+        taken_key = key32 == INT32_MIN
+    elif KEY32:
         # int32 keys, two reductions a pick (value, then the lowest index holding it): half
         # the registers of the int64 key, which held the kernel to one program per SM
         key32 = tl.where(e_mask[None, :] & (s[:, None] >= 0), ordered, INT32_MIN)
