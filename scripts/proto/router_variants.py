@@ -1,16 +1,15 @@
-"""Router kernel variants for A/B on the H200 (NOTES-perf.md, version 11): the fused router's
-``router_topk_kernel`` with two changes that each keep its bits, switched by constexprs.
+"""Router kernel variants for A/B on the H200 (NOTES-perf.md, version 11): a frozen copy of the
+fused router's ``router_topk_kernel`` as it was before session 10 (int64 keys, the gate split
+in the loop), with switches for the changes tried; all but RELAYOUT kept the bits (``router_ab.py``
+checks).
 
-* ``PRESPLIT``: the fp32 gate's three bf16 parts read from memory (split once per weight
-  version), instead of split from the fp32 gate by every token block of every call. The split
-  is ~256 of the ~360 instructions a thread runs per trip of the logits loop (Triton 3.6 SASS).
-* ``RELAYOUT``: the logits go through a per-block scratch in global memory and come back in
-  the load's layout, where a token's 256 experts sit in one warp. In the MMA layout they span
-  four warps, so each of the K picks' reductions crosses warps through shared memory: 47
-  ``BAR.SYNC`` in the kernel, ~3,500 instructions a thread after the loop.
-
-The dots run in the same order on the same bf16 parts either way, so ids, probs and the block
-counts must be bitwise the current kernel's (``router_ab.py`` checks it).
+* ``PRESPLIT``: the fp32 gate's three bf16 parts read from memory (``split_gate_kernel``, once a
+  call) instead of split by every token block. 230 of a loop trip's 363 instructions; no gain.
+* ``RELAYOUT``: the logits through a per-block global scratch, back in the load's layout. Gave
+  other bits and was slower.
+* ``KEY32``: int32 keys, the value's max then the lowest index holding it: 128 registers
+  instead of 190, two programs per SM instead of one.
+* ``TUPLE``: one reduction a pick over (key, index, score): what ``magi_moe`` now runs.
 """
 import triton
 import triton.language as tl
