@@ -448,6 +448,16 @@ def assert_same_routing(fr, routes: Routes, cfg: MoEConfig) -> None:
     assert difference is None, difference
 
 
+@pytest.fixture(params=[True, False], ids=["tuple-picks", "three-reductions"])
+def pick_form(request, monkeypatch):
+    """Both top-K forms of the fused router on every backend (by default GPUs run the tuple
+    reduction and the interpreter three built-in reductions, for speed)."""
+    from magi_moe.kernels import fused_routing
+
+    monkeypatch.setattr(fused_routing, "FORCE_TUPLE_PICKS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name,num_tokens", [("tiny", 1), ("tiny", 97), ("small", 70),
                                              ("small-softmax", 33)])
 def test_fused_router_matches_the_torch_router(device, name, num_tokens):
@@ -457,7 +467,7 @@ def test_fused_router_matches_the_torch_router(device, name, num_tokens):
     assert_same_routing(fr, problem.routes, cfg)
 
 
-def test_fused_router_tie_rule_and_nan_last(device):
+def test_fused_router_tie_rule_and_nan_last(device, pick_form):
     """All-equal scores pick experts 0..K-1 in order; -inf selection ranks above NaN, and the
     lower index wins among NaNs (magi_moe.routing's rule), for sigmoid and softmax."""
     cfg = preset("tiny").replace(top_k=8)  # every expert: the whole order shows
@@ -476,7 +486,7 @@ def test_fused_router_tie_rule_and_nan_last(device):
 
 
 @pytest.mark.parametrize("nan_expert", [0, 9, 15], ids=["first", "middle", "last"])
-def test_fused_router_nan_selection_unpicked_is_not_a_route(device, nan_expert):
+def test_fused_router_nan_selection_unpicked_is_not_a_route(device, nan_expert, pick_form):
     """K < E with one expert's selection NaN for every token: it ranks last and is never
     picked, so it must hold no route. With E = 16 (the kernel's padded width, so no padded
     experts) the last index once had the same top-K key as a taken expert and was counted as
@@ -490,6 +500,21 @@ def test_fused_router_nan_selection_unpicked_is_not_a_route(device, nan_expert):
     fr = fused_route(x, gate, bias, cfg)
     assert_same_routing(fr, route(x, gate, bias, cfg), cfg)
     assert int(fr.table.counts()[nan_expert]) == 0
+
+
+def test_fused_router_both_pick_forms_agree(device, monkeypatch):
+    """The tuple reduction and the three built-in reductions: bitwise the same routes."""
+    from magi_moe.kernels import fused_routing
+
+    problem = random_problem(preset("tiny"), 33, seed=5, device=device)
+    cfg = problem.config
+    picked = []
+    for form in (True, False):
+        monkeypatch.setattr(fused_routing, "FORCE_TUPLE_PICKS", form)
+        fr = fused_route(problem.x, problem.gate, problem.bias, cfg)
+        picked.append((fr.expert_ids.clone(), fr.probs.clone(), fr.table.offsets.clone()))
+    for a, b in zip(*picked):
+        assert same_bits(a, b)
 
 
 def test_fused_router_empty_input(device):

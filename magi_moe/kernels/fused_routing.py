@@ -37,6 +37,11 @@ from .tiles import RoutingTiles, choose_routing_tiles
 from .workspace import FusedWorkspace, shared_workspace
 
 NORM_EPS_VALUE = tl.constexpr(NORM_EPS)
+# How router_topk_kernel picks top-K: None by backend, one tuple reduction a pick on GPUs and
+# three built-in reductions (the same picks and bits) in the interpreter, which runs the tuple
+# reduction's combine in Python (161 s against 2 s a call at S=512, E=64). Tests force each
+# form on each backend at small sizes.
+FORCE_TUPLE_PICKS: bool | None = None
 
 
 @triton.jit
@@ -74,6 +79,7 @@ def router_topk_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee": the released router is fp32, not tf32
     SPLIT_GATE: tl.constexpr,     # bf16 x: the fp32 gate as three bf16 parts on tensor cores
     UPCAST: tl.constexpr,         # interpreter: its bf16 dot is wrong (CONTRACT 8)
+    TUPLE_PICKS: tl.constexpr,    # one (key, expert, score) reduction a pick, else three
 ):
     tb = tl.program_id(0)
     head = tl.program_id(1)
@@ -143,7 +149,14 @@ def router_topk_kernel(
     chosen_ids = tl.zeros((BLOCK_S, K_PAD), dtype=tl.int32)
     chosen_p = tl.zeros((BLOCK_S, K_PAD), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        _, idx, p_k = tl.reduce((key, experts, scores), 1, _higher_selection)
+        if TUPLE_PICKS:
+            _, idx, p_k = tl.reduce((key, experts, scores), 1, _higher_selection)
+        else:
+            # the same pick in three built-in reductions: the interpreter runs a reduction
+            # with a jit combine function element pair by element pair in Python, 100x slower
+            best = tl.max(key, axis=1)
+            idx = tl.min(tl.where(key == best[:, None], experts, E_PAD), axis=1)
+            p_k = tl.sum(tl.where(experts == idx[:, None], scores, 0.0), axis=1)
         key = tl.where(e[None, :] == idx[:, None], -2147483648, key)
         chosen_ids = tl.where(kk[None, :] == k, idx[:, None], chosen_ids)
         chosen_p = tl.where(kk[None, :] == k, p_k[:, None], chosen_p)
@@ -313,6 +326,7 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
         SOFTMAX=config.score_func == "softmax", ROUTE_NORM=config.route_norm,
         HAS_BIAS=bias is not None, DOT_PRECISION="ieee",
         SPLIT_GATE=x.dtype == torch.bfloat16, UPCAST=interpret,
+        TUPLE_PICKS=not interpret if FORCE_TUPLE_PICKS is None else FORCE_TUPLE_PICKS,
         num_warps=tiles.warps,
     )
     bank_prefix_kernel[(triton.cdiv(HE, tiles.prefix_block_b),)](
