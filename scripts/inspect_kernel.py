@@ -69,10 +69,9 @@ def placeholder_args(tiles: FusedTiles, head_dim: int, inter: int, heads: int, e
     f32 = torch.empty(16, dtype=torch.float32)
     x = torch.empty(tokens, heads * head_dim, dtype=bf16)
     # x, wg, wu, wd, gather, probs, slots, offsets, block_bank, block_start, block_count, rows,
-    # slot_route, out, arrivals, stride_x, stride_rows, stride_out, num_experts, num_heads: as
-    # fused._launch_expert_mlp passes them
+    # slot_route, stride_x, stride_rows, num_experts: as fused._launch_expert_mlp passes them
     return [x, gate_desc, gate_desc, down_desc, i32, f32, i64, i64, i32, i64, i32, f32, i32,
-            x, i32, x.stride(0), head_dim, x.stride(0), experts, heads]
+            x.stride(0), head_dim, experts]
 
 
 def compile_one_kernel(tiles: FusedTiles, *, head_dim: int = 256, inter: int = 1280,
@@ -91,7 +90,6 @@ def compile_one_kernel(tiles: FusedTiles, *, head_dim: int = 256, inter: int = 1
             attrs[(i,)] = BaseBackend.parse_attr(key)
     consts = dict(HEAD_DIM=head_dim, INTER=inter, BLOCK_M=tiles.block_m, BLOCK_N=tiles.gu_block_n,
                   ACT_DTYPE=tl.bfloat16, UPCAST=False, DOT_PRECISION="tf32",
-                  SUM_TOPK=tiles.sum_variant == "last_arriver", TOP_K=6,
                   **(extra_constexprs or {}))
     missing = set(names[len(signature):]) - set(consts)
     if missing:
@@ -172,8 +170,7 @@ def inspect(tiles: FusedTiles, **shape) -> dict:
     registers = re.search(r"Used (\d+) registers", text)
     spilled = re.search(r"(\d+) bytes spill stores", text)
     lines, labels = sass_lines(compiled.asm["cubin"])
-    return {"tiles": {k: v for k, v in asdict(tiles).items()
-                      if k.startswith(("gu_", "block_m", "sum_variant"))},
+    return {"tiles": {k: v for k, v in asdict(tiles).items() if k.startswith(("gu_", "block_m"))},
             "shared_bytes": compiled.metadata.shared,
             "registers": int(registers.group(1)) if registers else None,
             "spilled_bytes": int(spilled.group(1)) if spilled else None,

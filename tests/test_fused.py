@@ -289,71 +289,6 @@ def test_one_kernel_tiles_on_a_single_activation_slice(device, inter):
     assert v.ok, v.text
 
 
-def _one_kernel_tiles(problem: Problem, **fields) -> FusedTiles:
-    base = INTERPRETER_TILES if problem.x.device.type == "cpu" else PORTABLE_TILES
-    return FusedTiles(**{**vars(base), "gu_variant": "mlp_tma", "gu_block_k": 256,
-                         "gu_block_n": 32, **fields}).fitted(problem.config)
-
-
-@pytest.mark.parametrize("tokens", [1, 45, 130])
-def test_last_arriver_sum_gives_the_sum_kernels_bits(device, tokens):
-    """``sum_variant="last_arriver"``: no top-k sum launch, the program that writes a (token,
-    head)'s last route row sums the pair. Same order, so the sum kernel's bits, call after
-    call on one (poisoned) workspace, and the arrival counters are back at zero after each."""
-    from magi_moe.debug import poison_workspaces
-    from magi_moe.kernels.device import tma_supported
-
-    if not tma_supported(device):
-        pytest.skip("the one-kernel path needs tensor descriptors (Hopper or later)")
-    problem = random_problem(preset("small"), tokens, seed=26 + tokens, device=device)
-    kernel = _one_kernel_tiles(problem, block_m=64)
-    last = dataclasses.replace(kernel, sum_variant="last_arriver")
-    plan = _plan(problem, last)
-    assert plan.sums_in_expert and plan.reasons == ()
-    assert plan.kernels == ("block_schedule_kernel", "expert_mlp_tma_kernel")
-    want = _forward_with(problem, kernel)
-    assert not torch.isnan(want).any()
-    ws = FusedWorkspace(device)
-    for call in range(3):
-        out = torch.full_like(problem.x, float("nan"))
-        with poison_workspaces():
-            F().fused_forward(problem.x, problem.table, problem.weights, problem.config, out=out,
-                              tiles=last, workspace=ws)
-        assert same_bits(out, want), f"call {call}"
-        assert int(ws.zeroed("arrivals", (tokens * problem.config.num_heads,), torch.int32)
-                   .count_nonzero()) == 0, f"call {call} left arrival counts behind"
-
-
-def test_last_arriver_sum_falls_back_where_it_cannot_count_to_k(device):
-    """A pair with fewer than K routes would never be summed by its last arriver: on a partial
-    table the sum kernel runs (and says why), with the same result; without the one-kernel
-    step there is nobody to sum."""
-    from magi_moe.kernels.device import DeviceFacts
-    from magi_moe.kernels.plan import plan_fused
-
-    cfg = preset("small")
-    problem = random_problem(cfg, 40, seed=27, device=device)
-    last = dataclasses.replace(_one_kernel_tiles(problem, block_m=64), sum_variant="last_arriver")
-    facts = DeviceFacts(tma=True, shared_memory=None, multiprocessors=None)
-    R = problem.table.num_routes
-    plan = plan_fused(cfg, 40, R - 1, last, facts, problem.weights)
-    assert not plan.sums_in_expert and plan.kernels[-1] == "topk_sum_kernel"
-    assert plan.reasons == ("sum_variant 'last_arriver' -> topk_sum_kernel: the table leaves "
-                            "(token, head, k) slots without a route",)
-    no_tma = plan_fused(cfg, 40, R, last, DeviceFacts(False, None, None), problem.weights)
-    assert not no_tma.sums_in_expert and no_tma.kernels[-1] == "topk_sum_kernel"
-    assert no_tma.reasons[-1] == ("sum_variant 'last_arriver' -> topk_sum_kernel: "
-                                  "expert_mlp_tma_kernel does not run")
-    assert plan_fused(cfg, 40, R, last, facts, problem.weights, rows_only=True).reasons == ()
-    keep = torch.arange(R, device=device) % 4 != 1
-    partial = Problem(cfg, problem.x, problem.gate, problem.bias, problem.weights,
-                      problem.routes, problem.table.select(keep))
-    from magi_moe.kernels.device import tma_supported
-    if tma_supported(device):
-        assert same_bits(_forward_with(partial, last),
-                         _forward_with(partial, dataclasses.replace(last, sum_variant="kernel")))
-
-
 @pytest.mark.parametrize("impl, dtype", impl_dtype_params([FUSED]))
 def test_every_declared_dtype(device, impl, dtype):
     problem = random_problem(preset("tiny").replace(dtype=dtype), 50, seed=13, device=device)
@@ -730,10 +665,6 @@ def test_every_launch_plan_gives_the_same_bits(config_name, tokens):
         "one kernel bm64": dataclasses.replace(one, block_m=64, gu_warps=4).fitted(cfg),
         "one kernel bn16": dataclasses.replace(one, gu_block_n=16, gu_stages=4).fitted(cfg),
         "one kernel 2 stages": dataclasses.replace(one, gu_stages=2).fitted(cfg),
-        "one kernel, sum by the last arriver": dataclasses.replace(
-            one, sum_variant="last_arriver").fitted(cfg),
-        "one kernel bm64, sum by the last arriver": dataclasses.replace(
-            one, block_m=64, gu_warps=4, sum_variant="last_arriver").fitted(cfg),
         "two kernels": two,
         "two kernels bm64 bk32": dataclasses.replace(two, block_m=64, gu_block_k=32, gu_warps=4,
                                                      down_warps=4),

@@ -283,13 +283,11 @@ class FusedCall:
     slot_route: torch.Tensor
     out: torch.Tensor | None = None
     act: torch.Tensor | None = None
-    arrivals: torch.Tensor | None = None  # [S*H] int32, when the expert step sums (plan.sums_in_expert)
 
 
-def _launch_expert_mlp(step: LaunchStep, call: FusedCall, sums: bool, warmup: bool = False):
+def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
     """Kernels 2 and 3 as one (``expert_mlp_tma_kernel``): weighted fp32 rows per route, no
-    activation buffer; with ``sums`` kernel 4 too (``call.arrivals`` counts, ``call.out`` gets
-    the sums). ``warmup``: compile for this launch and return the compiled kernel."""
+    activation buffer. ``warmup``: compile for this launch and return the compiled kernel."""
     c, tiles, w = call, step.tiles, call.weights
     bn, dh = tiles.gu_block_n, c.config.head_dim
     descs = (banked_descriptor(w.w_gate, [dh, bn]), banked_descriptor(w.w_up, [dh, bn]),
@@ -297,17 +295,12 @@ def _launch_expert_mlp(step: LaunchStep, call: FusedCall, sums: bool, warmup: bo
     _promised(step, *descs)
     upcast, precision = _dot_modes()
     sched = c.schedule
-    out = c.out if sums else c.rows  # unused pointers without sums; warmup only compiles
-    arrivals = c.arrivals if sums and not warmup else c.slot_route
     args = (c.x, *descs, c.table.gather_ids, c.table.sorted_probs, c.table.route_slots,
             c.table.offsets, sched.block_bank, sched.block_start, sched.block_count,
-            c.rows, c.slot_route, out, arrivals,
-            c.x.stride(0), c.rows.stride(0), out.stride(0), c.config.num_experts,
-            c.config.num_heads)
+            c.rows, c.slot_route, c.x.stride(0), c.rows.stride(0), c.config.num_experts)
     meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
                 ACT_DTYPE=_TL_DTYPES[w.w_down.dtype], UPCAST=upcast,
-                DOT_PRECISION=precision, SUM_TOPK=sums, TOP_K=c.config.top_k,
-                num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
+                DOT_PRECISION=precision, num_warps=tiles.gu_warps, num_stages=tiles.gu_stages,
                 **_register_cap(tiles.gu_maxnreg))
     if warmup:
         return T.expert_mlp_tma_kernel.warmup(*args, grid=(step.grid,), **meta)
@@ -331,14 +324,10 @@ def compiled_shared_memory(call: FusedCall) -> Callable[[LaunchStep], int]:
     def measure(step: LaunchStep) -> int:
         if step.kernel != EXPERT_MLP:
             raise ValueError(f"only {EXPERT_MLP} is measured, not {step.kernel}")
-        cfg = call.config
-        # the kernel the plan will run: with the top-k sum when the tiles ask for it and the
-        # table allows it (plan_fused decides the same way after this measurement)
-        sums = (step.tiles.sum_variant == "last_arriver" and call.out is not None
-                and call.table.num_routes == call.out.shape[0] * cfg.num_heads * cfg.top_k)
-        key = (call.x.device, call.x.dtype, cfg.head_dim, cfg.intermediate_size, step.tiles, sums)
+        key = (call.x.device, call.x.dtype, call.config.head_dim,
+               call.config.intermediate_size, step.tiles)
         if key not in _SHARED:
-            _SHARED[key] = _launch_expert_mlp(step, call, sums, warmup=True).metadata.shared
+            _SHARED[key] = _launch_expert_mlp(step, call, warmup=True).metadata.shared
         return _SHARED[key]
     return measure
 
@@ -439,8 +428,6 @@ def run_plan(plan: LaunchPlan, call: FusedCall) -> None:
     cfg, ws = call.config, call.workspace
     if plan.clear_slots:  # a partial (hand-built) table leaves slots without a route
         call.slot_route.fill_(-1)
-    if plan.sums_in_expert:
-        call.arrivals = ws.zeroed("arrivals", (call.out.shape[0] * cfg.num_heads,), torch.int32)
     act = call.act
     if act is None and plan.activation_rows:
         act = ws.get("act", (plan.activation_rows, cfg.intermediate_size), call.weights.w_down.dtype)
@@ -454,7 +441,7 @@ def run_plan(plan: LaunchPlan, call: FusedCall) -> None:
         if kernel == SCHEDULE:
             fill_block_schedule(call.schedule, call.table.offsets, cfg.num_banks)
         elif kernel == EXPERT_MLP:
-            _launch_expert_mlp(step, call, plan.sums_in_expert)
+            _launch_expert_mlp(step, call)
         elif kernel == GATHER_ROWS:
             T.launch_gather_rows(call.x, call.table, call.schedule, xg, cfg)
         elif kernel == GATE_UP:

@@ -8,8 +8,7 @@ address arithmetic), where a pointer load costs every thread address registers a
   gathered once; ``[Dh, BLOCK_N]`` gate and up tiles and ``[BLOCK_N, Dh]`` down tiles stream
   through a pipelined loop over ``I``; each ``BLOCK_N``-wide activation slice is rounded to
   bf16 in registers and fed to the down MMA, so no activation buffer exists (NOTES-perf.md,
-  version 5). With ``SUM_TOPK`` it also does the top-k sum: the program that writes a pair's
-  last route row sums the pair (``blocks.sum_completed_pairs``), so no sum launch follows.
+  version 5).
 * The two-kernel forms (same work items, fp32 accumulation order and outputs as
   ``gate_up_kernel`` and ``down_kernel`` in :mod:`magi_moe.kernels.fused`):
   ``gate_up_tma_kernel`` loads weight tiles by descriptor; with ``X_GATHERED`` the block's ``x``
@@ -26,8 +25,7 @@ import triton
 import triton.language as tl
 
 from ..backends import interpreter_enabled
-from .blocks import (activation, block_rows, block_x_rows, store_activation, store_weighted_rows,
-                     sum_completed_pairs)
+from .blocks import activation, block_rows, block_x_rows, store_activation, store_weighted_rows
 from .rounding import round_operand, swiglu7
 
 
@@ -174,13 +172,9 @@ def expert_mlp_tma_kernel(
     block_count_ptr,
     rows_ptr,         # [R, Dh] fp32 out: p * expert(x) per route, CSR order
     slot_route_ptr,   # [S*H*K] int32 out
-    out_ptr,          # [S, H*Dh] out, with SUM_TOPK (else unused)
-    arrivals_ptr,     # [S*H] int32 routes arrived per pair, zero between calls (SUM_TOPK)
     stride_x,
     stride_rows,
-    stride_out,
     num_experts,
-    num_heads,
     HEAD_DIM: tl.constexpr,   # a power of two
     INTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -188,8 +182,6 @@ def expert_mlp_tma_kernel(
     ACT_DTYPE: tl.constexpr,  # the activation's rounding point (the weights' dtype)
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SUM_TOPK: tl.constexpr,   # also the top-k sum, by the last arriver (blocks.sum_completed_pairs)
-    TOP_K: tl.constexpr,
 ):
     """Gate/up, SwiGLU7 and the down projection of a whole row block in one work item: each
     ``BLOCK_N``-wide slice of the activation is rounded to ``ACT_DTYPE`` (the same precision
@@ -221,10 +213,6 @@ def expert_mlp_tma_kernel(
             acc = tl.dot(a, wd, acc, input_precision=DOT_PRECISION)
         store_weighted_rows(acc, rows, row_mask, tl.arange(0, HEAD_DIM), probs_ptr, slots_ptr,
                             rows_ptr, slot_route_ptr, stride_rows)
-        if SUM_TOPK:
-            sum_completed_pairs(rows, row_mask, slots_ptr, slot_route_ptr, rows_ptr, arrivals_ptr,
-                                out_ptr, stride_rows, stride_out, num_heads, HEAD_DIM, BLOCK_M,
-                                TOP_K, UPCAST)
         block += tl.num_programs(0)
 
 

@@ -14,8 +14,6 @@ ask for a kernel that cannot run, the plan takes the fallback and says why in ``
   the K-loop kernel runs on the same tiles; an activation store by descriptor needs an
   addressable buffer, else a pointer store.
 * a ``tma`` down projection needs TMA and a descriptor-ready ``w_down``, else pointer loads.
-* ``sum_variant="last_arriver"`` (the top-k sum inside the one-kernel step) needs that step
-  and a table with a route in every (token, head, k) slot, else ``topk_sum_kernel`` runs.
 
 A plan for a real device: ``plan_fused(cfg, S, R, tiles, device_facts(x.device), weights)``;
 for a GPU this machine lacks: ``DeviceFacts(tma=True, shared_memory=232448,
@@ -61,9 +59,7 @@ class LaunchPlan:
     ``max_blocks``: the block schedule's entries (0 without routes); ``reasons``: one line per
     fallback taken (empty when the tiles run as asked); ``clear_slots``: ``slot_route`` is set
     to -1 first, because the table leaves some (token, head, k) slots without a route;
-    ``activation_rows``: rows of the two-kernel path's activation buffer (0: no such path);
-    ``sums_in_expert``: the one-kernel step also does the top-k sum (``sum_variant``
-    ``"last_arriver"``), so there is no ``topk_sum_kernel`` step."""
+    ``activation_rows``: rows of the two-kernel path's activation buffer (0: no such path)."""
 
     steps: tuple[LaunchStep, ...]
     asked: FusedTiles
@@ -72,7 +68,6 @@ class LaunchPlan:
     reasons: tuple[str, ...] = ()
     clear_slots: bool = False
     activation_rows: int = 0
-    sums_in_expert: bool = False
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -192,17 +187,8 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
             steps.append(_down_step(config, nb, expert, facts, weights, reasons))
             act_rows = nb * expert.block_m
     sums = not rows_only and num_tokens > 0
-    pairs = num_tokens * config.num_heads
-    complete = num_routes == pairs * config.top_k  # every (token, head, k) slot has its route
-    in_expert = False
-    if sums and tiles.sum_variant == "last_arriver":
-        why = [] if any(s.kernel == EXPERT_MLP for s in steps) else [f"{EXPERT_MLP} does not run"]
-        if not complete:  # the last arriver counts to K: a pair with fewer routes never ends
-            why.append("the table leaves (token, head, k) slots without a route")
-        if why:
-            reasons.append(f"sum_variant 'last_arriver' -> {TOPK_SUM}: " + "; ".join(why))
-        in_expert = not why
-    if sums and not in_expert:
+    if sums:
+        pairs = num_tokens * config.num_heads
         steps.append(LaunchStep(TOPK_SUM, cdiv(pairs, tiles.sum_block_t), tiles))
-    clear = sums and not complete
-    return LaunchPlan(tuple(steps), tiles, facts, nb, tuple(reasons), clear, act_rows, in_expert)
+    clear = sums and num_routes < num_tokens * config.num_heads * config.top_k
+    return LaunchPlan(tuple(steps), tiles, facts, nb, tuple(reasons), clear, act_rows)

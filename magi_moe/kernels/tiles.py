@@ -38,9 +38,6 @@ OVERRIDE_ENV = "MAGI_MOE_FUSED_TILES"
 GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered", "mlp_tma")
 ACT_STORES = ("ptr", "tma")
 DOWN_VARIANTS = ("ptr", "tma")
-# "kernel": the top-k sum is its own launch; "last_arriver": the one-kernel path's program that
-# writes a (token, head)'s last route row sums that pair's rows (same order, same bits).
-SUM_VARIANTS = ("kernel", "last_arriver")
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +86,6 @@ class FusedTiles:
     down_variant: str = "ptr"   # "ptr": pointer loads; "tma": both operands by descriptor
     sum_block_t: int = 16
     sum_warps: int = 4
-    sum_variant: str = "kernel"  # one of SUM_VARIANTS
     # Persistent grids: programs per multiprocessor (the occupancy the tiles allow).
     gu_programs_per_sm: int = 1
     down_programs_per_sm: int = 1
@@ -104,7 +100,6 @@ class FusedTiles:
         _check_choice("FusedTiles", "gu_variant", self.gu_variant, GATE_UP_VARIANTS)
         _check_choice("FusedTiles", "gu_act_store", self.gu_act_store, ACT_STORES)
         _check_choice("FusedTiles", "down_variant", self.down_variant, DOWN_VARIANTS)
-        _check_choice("FusedTiles", "sum_variant", self.sum_variant, SUM_VARIANTS)
 
     def fitted(self, config: MoEConfig) -> "FusedTiles":
         """The same tiles with N/K blocks shrunk to powers of two dividing the widths (the

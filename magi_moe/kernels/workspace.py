@@ -49,19 +49,6 @@ class FusedWorkspace:
             view.fill_(float("nan") if dtype.is_floating_point else -1)
         return view
 
-    def zeroed(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer that holds zeros between calls: zeroed when (re)allocated, never poisoned,
-        and left zero by the kernels that use it (the last-arriver counters of the top-k sum
-        reset themselves), so a warm call neither allocates nor launches a fill."""
-        last = self._views.get(name)
-        if last is not None and last[0] == shape and last[1] is dtype:
-            return last[2]
-        before = self._buffers.get(name)
-        view = self._new_view(name, shape, dtype)
-        if self._buffers[name] is not before:
-            self._buffers[name].zero_()
-        return view
-
     def _new_view(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = math.prod(shape)
         buf = self._buffers.get(name)
