@@ -23,6 +23,7 @@ from magi_moe.bench.timing import time_one  # noqa: E402
 from magi_moe.kernels import fused as F  # noqa: E402
 from magi_moe.kernels.plan import EXPERT_MLP  # noqa: E402
 import gluon_mlp  # noqa: E402
+import gluon_sd  # noqa: E402
 import gluon_ws  # noqa: E402
 
 
@@ -40,7 +41,8 @@ def gluon_launcher(kernel, call, tiles, stages, grid, **consts):
     banks = cfg.num_banks
     dg = desc(w.w_gate, banks * dh, [gate_rows, bn])
     du = desc(w.w_up, banks * dh, [gate_rows, bn])
-    dd = desc(w.w_down, banks * inter, [bn, dh])
+    # the split-D kernel (gluon_sd.py) loads W_down in [BLOCK_N, Dh/2] boxes
+    dd = desc(w.w_down, banks * inter, [bn, dh // 2 if "SPLIT_D" in consts else dh])
     t = call.table
 
     pair_args = ()
@@ -77,6 +79,10 @@ VARIANTS = {
     "ws2-64": ("expert_mlp_gluon_ws2_kernel", 64, 16, 4, 1, 6, {"CONSUMER_REGS": 256}),
     "ws2-64-regs": ("expert_mlp_gluon_ws2_kernel", 64, 16, 4, 1, 8,
                     {"CONSUMER_REGS": 256, "X_IN_REGISTERS": True}),
+    # split-D: two 4-warp partitions on one 64-row block, each half of the output columns
+    "sd-64": ("expert_mlp_gluon_sd_kernel", 64, 32, 4, 1, 3, {"SPLIT_D": True}),
+    "sd-64-plain-u": ("expert_mlp_gluon_sd_kernel", 64, 32, 4, 1, 3,
+                      {"SPLIT_D": True, "U_SWIZZLE": False}),
 }
 
 
@@ -119,7 +125,7 @@ def main():
             call_tiles = replace(tabled, block_m=tiles.block_m, gu_block_n=16,
                                  gu_warps=4 if tiles.block_m == 64 else 8)
             _, vcall = made(level, call_tiles)
-            module = gluon_ws if "_ws" in kname else gluon_mlp
+            module = gluon_ws if "_ws" in kname else gluon_sd if "_sd" in kname else gluon_mlp
             run = gluon_launcher(getattr(module, kname), vcall, tiles, stages,
                                  sms * per_sm, **consts)
             rows = torch.full_like(want, float("nan"))

@@ -30,11 +30,12 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: E402
 
 import gluon_mlp  # noqa: E402
+import gluon_sd  # noqa: E402
 import gluon_ws  # noqa: E402
 import inspect_kernel as IK  # noqa: E402
 
 
-def placeholder_args(block_n, gate_rows, head_dim=256, inter=1280, banks=768):
+def placeholder_args(block_n, gate_rows, head_dim=256, inter=1280, banks=768, down_cols=None):
     """Arguments typed like ab_gluon.py's launch (small CPU tensors: dtypes, descriptor block
     shapes and divisibility are what the compiler sees)."""
     bf16 = torch.bfloat16
@@ -47,7 +48,7 @@ def placeholder_args(block_n, gate_rows, head_dim=256, inter=1280, banks=768):
     x = torch.empty(4096, 3 * head_dim, dtype=bf16)
     return [x, desc(banks * head_dim, inter, [gate_rows, block_n]),
             desc(banks * head_dim, inter, [gate_rows, block_n]),
-            desc(banks * inter, head_dim, [block_n, head_dim]),
+            desc(banks * inter, head_dim, [block_n, down_cols or head_dim]),
             i32, f32, i64, i64, i32, i64, i32, f32, i32, x.stride(0), head_dim, 256]
 
 
@@ -55,7 +56,9 @@ def compile_prototype(kernel, block_m, block_n, warps, **constexprs):
     transposed = "GU_SLOTS" in constexprs  # half-Dh gate/up units
     names = kernel.arg_names
     signature, attrs = {}, {}
-    args = placeholder_args(block_n, 128 if transposed else 256)
+    # the split-D kernel loads W_down in [BLOCK_N, Dh/2] boxes
+    args = placeholder_args(block_n, 128 if transposed else 256,
+                            down_cols=128 if "SPLIT_D" in constexprs else None)
     if "pair_first_ptr" in names:  # the warp-specialised kernel's pair schedule
         args += [torch.empty(16, dtype=torch.int32) for _ in range(3)]
     for i, arg in enumerate(args):
@@ -94,7 +97,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 2:
         sys.exit(__doc__)
-    kernel = getattr(gluon_ws if "_ws" in argv[0] else gluon_mlp, argv[0])
+    module = gluon_ws if "_ws" in argv[0] else gluon_sd if "_sd" in argv[0] else gluon_mlp
+    kernel = getattr(module, argv[0])
     for spec in argv[1:]:
         fields = json.loads(spec)
         shape = [fields.pop(k) for k in ("block_m", "block_n", "warps")]
