@@ -18,6 +18,13 @@ Each accumulator is ``[64, Dh/2]`` (64 registers a thread), so 32-wide slices fi
 output element is still ``sum_j a_j W_down[j]`` over 16-wide K steps in the order of ``j``, and
 the gate/up sums are the same MMAs over Dh, so the bits are the Triton kernel's.
 
+Measured on the H200 (NOTES-perf.md version 12): bitwise equal in every ANCHORS case, and
+5-29% slower than the Triton kernel (S=4096: 0.621 against 0.545 ms): each trip is one chain
+of MMAs, exchange and SwiGLU7, and one 8-warp program per SM has nobody to overlap it with
+(the Triton kernel runs two 4-warp programs). ``U_SWIZZLE`` False: the fp32 exchange tile
+without the XOR swizzle (2-7% slower: bank conflicts). Pipelining by one slice with the
+next gate/up accumulator in flight across the loop made ptxas serialise every wgmma (C7514).
+
 Barriers: ``ready``/``empty`` per ring slot (``empty`` counts one arrival per partition, after
 its MMAs that read the slot are complete); ``x_ready``/``x_free`` for the block's x tile;
 ``u_ready``/``u_free`` and ``a_ready``/``a_free`` per exchange buffer (two of each, used by
