@@ -39,7 +39,7 @@ for step in "${steps[@]}"; do
            # tests that need the GPU's memory to themselves, one at a time
            run_step serial 240 python3 -m pytest -m "serial" --backend cuda -q -p no:cacheprovider \
              --hypothesis-profile "${TEST_PROFILE:-ci}" -W ignore --junitxml="$OUT/serial.xml" ;;
-    audit) run_step audit 240 python3 -m audit --backend cuda --out "$OUT/audit" ;;
+    audit) run_step audit 420 python3 -m audit --backend cuda --out "$OUT/audit" ;;
     graphs) run_step graphs 300 python3 -m audit --backend cuda --impl fused --impl native-det \
              --preset magi2-ep4-local --probe random --no-mpcheck --no-controls --out "$OUT/audit-graphs" ;;
     ep)    run_step ep 120 bash scripts/gpu_ep.sh -q ;;

@@ -83,6 +83,8 @@ VARIANTS = {
     "sd-64": ("expert_mlp_gluon_sd_kernel", 64, 32, 4, 1, 3, {"SPLIT_D": True}),
     "sd-64-plain-u": ("expert_mlp_gluon_sd_kernel", 64, 32, 4, 1, 3,
                       {"SPLIT_D": True, "U_SWIZZLE": False}),
+    # split-D, the partitions on alternate slices (no fp32 exchange)
+    "sdi-64": ("expert_mlp_gluon_sdi_kernel", 64, 32, 4, 1, 3, {"SPLIT_D": True}),
 }
 
 
