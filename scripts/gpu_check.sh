@@ -11,6 +11,8 @@
 #          resuming from FUZZ_DB (.hypothesis/fuzz-db; returned as fuzz-db.tgz), FUZZ_ARGS extra
 #   bench  the fused benchmarks (scripts/gpu_fused.sh bench)
 # Each step has a timeout (STEP_TIMEOUT_<step> seconds). Results land in $OUT (./gpu-results).
+# On the H200 (session 11) tests + serial took 6.5 min and the audit 6 min: a device call
+# holds at most 10 min, so give them separate calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests audit)
