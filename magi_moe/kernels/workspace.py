@@ -20,9 +20,7 @@ class FusedWorkspace:
     written and did not shows up in the output."""
 
     def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:  # buffers are made on
-            self.device = torch.device("cuda", torch.cuda.current_device())  # another thread
+        self.device = _with_index(device)  # buffers are made on another thread
         self._buffers: dict[str, torch.Tensor] = {}
         self._views: dict[str, tuple] = {}
         self.allocations = 0
@@ -93,14 +91,20 @@ class FusedWorkspace:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
+def _with_index(device: torch.device | str) -> torch.device:
+    """``device`` with ``cuda`` read as the current GPU (``cuda:N``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 _WORKSPACES: dict[torch.device, FusedWorkspace] = {}
 
 
 def shared_workspace(device: torch.device | str) -> FusedWorkspace:
     """The workspace every fused call on ``device`` shares (``cuda`` means the current GPU)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _with_index(device)
     ws = _WORKSPACES.get(device)
     if ws is None:
         ws = _WORKSPACES[device] = FusedWorkspace(device)
