@@ -367,7 +367,7 @@ def test_ep_on_gloo_equals_one_process_bitwise(case, gloo_outputs):
 
 def _skip_without_gpus(count: int) -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < count:
-        pytest.skip("needs 2 CUDA GPUs" if count == 2 else "needs a CUDA GPU")
+        pytest.skip("needs a CUDA GPU" if count == 1 else f"needs {count} CUDA GPUs")
     if BACKENDS["cuda"].unavailable_reason():
         pytest.skip(f"cuda backend unavailable: {BACKENDS['cuda'].unavailable_reason()}")
 
