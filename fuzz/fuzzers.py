@@ -120,7 +120,8 @@ class Property:
     the budget returning one; ``on``: implementations or routers; ``needs``: capabilities an
     implementation must declare; ``kernels_only``: not the float64 oracle itself; ``examples``:
     its share of the loaded profile's ``max_examples`` (at least ``at_least``); ``settings``:
-    other Hypothesis settings of its searches.
+    other Hypothesis settings of its searches; ``clause``: the contract clause its failures
+    count against in the verdict (:mod:`magi_moe.verdict`).
     """
 
     name: str
@@ -133,6 +134,7 @@ class Property:
     examples: float = 1.0
     at_least: int = 2
     settings: Mapping[str, Any] = field(default_factory=dict)
+    clause: str = "accuracy"  # the contract clause it judges (magi_moe.verdict)
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():
@@ -146,6 +148,9 @@ class Property:
         if unknown:
             raise ValueError(f"Property {self.name}: needs must be capabilities of {sorted(CAPABILITIES)}, "
                              f"got {sorted(unknown)}")
+        from magi_moe.verdict import clause as known_clause
+
+        known_clause(self.clause)  # ValueError naming the known clauses
         if not self.examples > 0 or self.at_least < 1:
             raise ValueError(f"Property {self.name}: examples must be > 0 and at_least >= 1, got "
                              f"{self.examples}, {self.at_least}")
@@ -178,20 +183,22 @@ class Property:
 
 PROPERTIES: dict[str, Property] = {p.name: p for p in (
     Property("differential", P.check_differential, cases=expert()),
-    Property("tie_rule", P.check_tie_rule, cases=ties, on=ON_ROUTERS, examples=2.0),
+    Property("tie_rule", P.check_tie_rule, cases=ties, on=ON_ROUTERS, examples=2.0,
+             clause="routing"),
     Property("token_permutation", P.check_token_permutation, cases=expert(min_tokens=1),
-             params={"perm_seed": SEEDS}, examples=0.5),
+             params={"perm_seed": SEEDS}, examples=0.5, clause="locality"),
     Property("head_locality", P.check_head_locality, cases=expert(),
-             params={"head": st.integers(0, 63), "seed": SEEDS}, examples=0.5),
-    Property("linearity", P.check_linearity, cases=expert(), examples=0.5),
+             params={"head": st.integers(0, 63), "seed": SEEDS}, examples=0.5, clause="locality"),
+    Property("linearity", P.check_linearity, cases=expert(), examples=0.5, clause="locality"),
     Property("empty_experts", P.check_empty_experts, cases=expert(min_tokens=1, empty_banks=True),
-             examples=0.75),
-    Property("zero_tokens", P.check_zero_tokens, cases=expert(), examples=0.25),
+             examples=0.75, clause="edge-shapes"),
+    Property("zero_tokens", P.check_zero_tokens, cases=expert(), examples=0.25,
+             clause="edge-shapes"),
     Property("deterministic", P.check_deterministic, cases=expert(), params={"runs": _reruns},
-             needs=("deterministic",), examples=0.34),
+             needs=("deterministic",), examples=0.34, clause="determinism"),
     # A child process per case (an int32 offset kills it): one case per commit.
     Property("huge_offsets", P.check_huge_offsets, cases=huge, needs=("int64_offsets",),
-             kernels_only=True, examples=0.125, at_least=1),
+             kernels_only=True, examples=0.125, at_least=1, clause="int64-offsets"),
 )}
 
 
@@ -264,10 +271,12 @@ def pytest_rows(config) -> list:
                 why = target.skip_reason()
                 if why:
                     marks.append(pytest.mark.skip(reason=why))
+                marks.append(pytest.mark.clause(prop.clause))
                 rows.append(pytest.param(prop, target, id=f"{prop.name}-{target}", marks=marks))
             continue
         for pair in impl_backend_params(config, needs=prop.needs, kernels_only=prop.kernels_only):
-            rows.append(pytest.param(prop, *pair.values, id=f"{prop.name}-{pair.id}", marks=pair.marks))
+            rows.append(pytest.param(prop, *pair.values, id=f"{prop.name}-{pair.id}",
+                                     marks=[*pair.marks, pytest.mark.clause(prop.clause)]))
     return rows
 
 

@@ -59,6 +59,7 @@ CAPABILITIES = frozenset({
     "weight_cache",     # its layer keeps a packed copy of the weights (cache rules, CONTRACT 5)
     "no_host_sync",     # no device->host synchronisation once warm
     "strided_weights",  # forward accepts non-contiguous weight views (else the layer densifies)
+    "input_checks",     # forward itself refuses malformed calls (docs/INPUTS.md) before launching
 })
 
 
@@ -263,6 +264,19 @@ class Implementation:
             return f"{self.name} does not declare dtype {dtype}"
         why = self.shapes.reason(config)
         return f"{self.name}: {why}" if why else None
+
+    def fit(self, config: "MoEConfig", dtype: torch.dtype | None = None) -> "MoEConfig":
+        """``config`` moved inside this declaration: the nearest widths (and ``top_k``) the shape
+        rule accepts, and ``dtype`` (default the config's) or else the first declared dtype. How
+        a fixed case stays inside what the implementation accepts; raises
+        :class:`UnsupportedShape` when nothing near fits."""
+        dtype = config.dtype if dtype is None else dtype
+        fitted = self.shapes.nearest(config)
+        fitted = fitted.replace(dtype=dtype if dtype in self.dtypes else self.dtypes[0])
+        why = self.supports(fitted)
+        if why:
+            raise UnsupportedShape(why)
+        return fitted
 
     def skip_reason(self, backend: "Backend | str", dtype: torch.dtype | None = None,
                     needs: tuple[str, ...] = ()) -> str | None:

@@ -73,26 +73,26 @@ def _pack(weights):
 
 REFERENCE = Implementation(
     "reference", _reference, ALL_BACKENDS, "float64", dtypes=FLOAT_DTYPES,
-    capabilities={"int64_offsets", "strided_weights"},
+    capabilities={"int64_offsets", "strided_weights", "input_checks"},
     description="float64 oracle: per-expert loop, no intermediate rounding")
 TORCH_BF16 = Implementation(
     "torch-bf16", _torch_bf16, ALL_BACKENDS, "bf16-plain",
-    capabilities={"int64_offsets", "strided_weights"},
+    capabilities={"int64_offsets", "strided_weights", "input_checks"},
     description="plain PyTorch per-expert loop at working precision (FlashAttention-style baseline)")
 NATIVE = Implementation(
     "native", _native(False), TRITON_BACKENDS, "bf16-fp32acc-atomic", dtypes=FLOAT_DTYPES,
-    capabilities={"int64_offsets"},
+    capabilities={"int64_offsets", "input_checks"},
     launcher=RowLauncher("magi_moe.kernels.native:launch_native", "accumulate"),
     description="Triton gather/expert/scatter kernel, fp32 atomics into an fp32 accumulator")
 NATIVE_DET = Implementation(
     "native-det", _native(True), TRITON_BACKENDS, "bf16-fp32acc", dtypes=FLOAT_DTYPES,
-    capabilities={"int64_offsets", "deterministic"},
+    capabilities={"int64_offsets", "deterministic", "input_checks"},
     launcher=RowLauncher("magi_moe.kernels.native:launch_native", "route_rows"),
     description="the native kernel storing per-route rows, reduced over top-k in a fixed order")
 FUSED = Implementation(
     "fused", _fused, TRITON_BACKENDS, "bf16-fp32acc", dtypes=(torch.bfloat16, torch.float16),
     capabilities={"deterministic", "int64_offsets", "weight_cache", "no_host_sync",
-                  "strided_weights"},
+                  "strided_weights", "input_checks"},
     layer_forward=_fused_layer,
     launcher=RowLauncher("magi_moe.kernels.fused_rows:launch_fused_rows", "route_rows"),
     prepare_weights=_pack,

@@ -60,8 +60,27 @@ def routes_to(expert_ids: torch.Tensor, config: MoEConfig, *, probs: torch.Tenso
     return Routes(expert_ids=expert_ids.to(torch.int64), probs=probs.to(torch.float32))
 
 
+class HarnessError(RuntimeError):
+    """The suite was about to hand an implementation a malformed call: a bug of the suite (or of
+    a hand-built case), never a finding against the implementation."""
+
+
+def check_handed_inputs(impl: Implementation, problem: Problem) -> None:
+    """Validate what the harness hands ``impl`` (docs/INPUTS.md): an implementation may trust
+    its caller, so every call the suite makes must be well formed. Tables built by magi-moe
+    and unchanged since are trusted (no device work); others cost one host sync."""
+    from .inputs import check_expert_inputs
+
+    try:
+        check_expert_inputs(problem.x, problem.table, problem.weights, problem.config,
+                            dtypes=impl.dtypes)
+    except (TypeError, ValueError) as exc:
+        raise HarnessError(f"the harness built a malformed call for {impl.name}: {exc}") from exc
+
+
 def run_poisoned(impl: Implementation, problem: Problem) -> torch.Tensor:
     """Run ``impl`` into a NaN-filled output (and NaN-filled workspaces) so unwritten elements show.
+    The call is validated first (:func:`check_handed_inputs`): implementations may trust it.
 
     A shape or dtype outside ``impl.supports`` raises :class:`~magi_moe.implementation.
     UnsupportedShape` before the call (a skip under magi-moe's pytest plugin, not a failure)."""
@@ -71,6 +90,7 @@ def run_poisoned(impl: Implementation, problem: Problem) -> torch.Tensor:
     why = impl.supports(problem.config, problem.x.dtype)
     if why:
         raise UnsupportedShape(why)
+    check_handed_inputs(impl, problem)
 
     x = problem.x
     out = torch.full(x.shape, float("nan"), dtype=impl.output_dtype(x.dtype), device=x.device)

@@ -20,14 +20,22 @@ narrows to those dtypes, and an implementation declaring none of them gets no ro
 skip). Outside the matrix, :func:`impl_dtype_params` gives the same declared pairs for a fixed
 list of implementations (``[fused-float16]``).
 
+Each implementation test names the contract clause it judges (``@pytest.mark.clause("accuracy")``,
+:mod:`magi_moe.verdict`); the run ends with the verdict, one row per clause and implementation
+on a backend (PASS, FAIL with a count and the command that reruns the first failure, NOT
+DECLARED, UNSUPPORTED, NOT RUN), written as Markdown and JSON by ``--verdict-dir DIR``.
+
 A run in which an implementation named by ``--impl`` ran no test, or in which every
 implementation test was skipped, fails with exit status 5 and says why (the most common skip
 reasons), unless ``--allow-vacuous`` is given.
 """
 from __future__ import annotations
 
+import json
+import shlex
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,9 +43,13 @@ import torch
 from .backends import BACKENDS, Backend
 from .implementation import Implementation, UnsupportedShape
 from .registry import get_implementation, implementations
+from . import verdict as V
 
 VACUOUS_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED  # 5: "nothing was tested"
 _IMPL_PROPERTY = "magi_moe_impl"
+_CLAUSE_PROPERTY = "magi_moe_clause"
+_SUBJECT_PROPERTY = "magi_moe_subject"
+_REPRO_PROPERTY = "magi_moe_repro"
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,8 @@ def pytest_addoption(parser):
     group.addoption("--conformance", action="store_true",
                     help="run only the tests parametrized by the implementation under test "
                          "(what `magi-moe check` runs against an outside implementation)")
+    group.addoption("--verdict-dir", default=None, metavar="DIR",
+                    help="write the per-clause verdict as DIR/verdict.md and DIR/verdict.json")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -81,6 +95,8 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs(*capabilities): run only implementations declaring them")
     config.addinivalue_line("markers", "kernels_only: skip the float64 oracle itself")
+    config.addinivalue_line("markers", "clause(name): the contract clause this implementation test "
+                                       "judges (magi_moe.verdict), reported in the verdict table")
     config.addinivalue_line("markers", "dtypes(*dtypes): with impl_dtype, run only the declared "
                                        "dtypes among these")
     config.addinivalue_line("markers", "backends(*names): run the implementation matrix on these "
@@ -91,6 +107,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: tens of seconds each; -m 'not slow' is the quick run")
     config.addinivalue_line("markers", "serial: needs the GPU's memory to itself (run without xdist)")
     config.addinivalue_line("markers", "benchmark: pytest-benchmark timing tests")
+    _check_verdict_dir(config.getoption("--verdict-dir", default=None))
     config._magi_moe_tally = Tally(config)
     config.pluginmanager.register(config._magi_moe_tally, "magi_moe_tally")
 
@@ -214,6 +231,40 @@ def pytest_pyfunc_call(pyfuncitem):
         outcome.force_exception(pytest.skip.Exception(f"unsupported: {exc}", _use_item_location=True))
 
 
+def clause_of(item) -> str:
+    """The clause an implementation test judges: its ``clause`` marker (the closest, so a
+    parameter's mark wins over the function's), else ``other``."""
+    mark = item.get_closest_marker("clause")
+    if mark is None or not mark.args:
+        return "other"
+    V.clause(mark.args[0])  # an unknown name fails loudly at the first report
+    return mark.args[0]
+
+
+def _impl_spec(config, impl: Implementation) -> str:
+    """How this run named ``impl`` (a ``package.module:attr`` spec reloads in a fresh process)."""
+    for spec in config.getoption("--impl"):
+        try:
+            if get_implementation(spec).name == impl.name:
+                return spec
+        except (ValueError, TypeError):
+            continue
+    return impl.name
+
+
+def repro_command(item, pair: ImplOnBackend) -> str:
+    """The command that reruns ``item`` alone, from the directory this run started in."""
+    config = item.config
+    target = f"{Path(item.path).resolve()}::{item.name}"
+    parts = ["python", "-m", "pytest", target, "--impl", _impl_spec(config, pair.impl),
+             "--backend", pair.backend.name, "-p", "no:cacheprovider"]
+    profile = config.getoption("--hypothesis-profile", default=None)
+    if profile:
+        parts += ["--hypothesis-profile", profile]
+    prefix = "TRITON_INTERPRET=1 " if pair.backend.name == "interpret" else ""
+    return prefix + " ".join(shlex.quote(p) for p in parts)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -223,6 +274,11 @@ def pytest_runtest_makereport(item, call):
         # user_properties travel with the report, also from xdist workers
         report.user_properties.append(
             (_IMPL_PROPERTY, pair.impl.name if isinstance(pair, ImplOnBackend) else ""))
+        if isinstance(pair, ImplOnBackend):
+            report.user_properties += [(_CLAUSE_PROPERTY, clause_of(item)),
+                                       (_SUBJECT_PROPERTY, str(pair))]
+            if report.failed:
+                report.user_properties.append((_REPRO_PROPERTY, repro_command(item, pair)))
 
 
 class Tally:
@@ -233,19 +289,34 @@ class Tally:
         self.ran: Counter[str] = Counter()
         self.skipped: dict[str, Counter[str]] = defaultdict(Counter)
         self.impl_tests = 0
+        self.outcomes: list[V.Outcome] = []
 
     def pytest_runtest_logreport(self, report) -> None:
         """Each test report (in the xdist controller for its workers' reports too)."""
-        name = next((v for k, v in report.user_properties if k == _IMPL_PROPERTY), None)
+        props = dict(report.user_properties)
+        name = props.get(_IMPL_PROPERTY)
         if name is None:
             return
         if report.skipped and report.when in ("setup", "call"):
             self.impl_tests += 1
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-            self.skipped[name or "(none)"][reason.removeprefix("Skipped: ")] += 1
-        elif report.when == "call":
+            reason = reason.removeprefix("Skipped: ")
+            self.skipped[name or "(none)"][reason] += 1
+            self._outcome(report, props, "skipped", reason)
+        elif report.when == "call" or report.failed:  # an error in setup is a failure too
             self.impl_tests += 1
             self.ran[name] += 1
+            self._outcome(report, props, "failed" if report.failed else "passed",
+                          _failure_line(report) if report.failed else "")
+
+    def _outcome(self, report, props: dict, status: str, detail: str) -> None:
+        if _SUBJECT_PROPERTY in props:
+            self.outcomes.append(V.Outcome(props[_SUBJECT_PROPERTY], props[_CLAUSE_PROPERTY],
+                                           status, report.nodeid, detail,
+                                           props.get(_REPRO_PROPERTY, "")))
+
+    def verdict(self) -> dict[str, list[V.ClauseVerdict]]:
+        return V.verdict_rows(self.outcomes)
 
     def problems(self) -> list[str]:
         """Why this run tested nothing it was asked to, or an empty list."""
@@ -284,7 +355,54 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = VACUOUS_EXIT
 
 
+def _failure_line(report) -> str:
+    """The failure's own message, one line: the exception, not the traceback."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1:]
+    text = text if isinstance(text, str) else " ".join(text)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return (lines[0] if lines else "failed").strip()[:400]
+
+
+def _check_verdict_dir(where: str | None) -> None:
+    """Refuse, before any test runs, a --verdict-dir that could not be written at the end."""
+    if not where:
+        return
+    path = Path(where)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise pytest.UsageError(f"--verdict-dir must be a directory or a path under one, "
+                                        f"but {part} is a file")
+            break
+
+
+def _write_verdict(config, table) -> Path | None:
+    where = config.getoption("--verdict-dir")
+    if not where:
+        return None
+    out = Path(where)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "verdict.md").write_text(V.markdown(table) + "\n")
+    (out / "verdict.json").write_text(json.dumps(V.as_json(table), indent=1) + "\n")
+    return out
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    tally = getattr(config, "_magi_moe_tally", None)
+    if tally is not None and tally.outcomes and not hasattr(config, "workerinput"):
+        table = tally.verdict()
+        terminalreporter.section("magi-moe verdict: one row per contract clause", sep="=", bold=True)
+        for line in V.text_lines(table):
+            terminalreporter.line(line, red=" FAIL " in line, green=line.endswith(": PASS"))
+        try:
+            written = _write_verdict(config, table)
+        except OSError as exc:
+            terminalreporter.line(f"--verdict-dir: cannot write the verdict: {exc}", red=True)
+        else:
+            if written is not None:
+                terminalreporter.line(f"verdict written to {written / 'verdict.md'} and "
+                                      f"{written / 'verdict.json'}")
     problems = getattr(config, "_magi_moe_vacuous", None)
     if problems:
         terminalreporter.section("magi-moe: nothing was tested", sep="=", red=True, bold=True)

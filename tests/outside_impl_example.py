@@ -53,6 +53,7 @@ IMPL = Implementation(
     backends=("cpu", "cuda"),
     precision="bf16-fp32acc",  # bf16 operands, fp32 sums, one SwiGLU7 and one final rounding
     dtypes=(torch.bfloat16, torch.float32),
-    capabilities={"deterministic", "int64_offsets"},  # slots, not atomics; int64 indexing
+    # slots, not atomics; int64 indexing; it calls check_expert_inputs first
+    capabilities={"deterministic", "int64_offsets", "input_checks"},
     description="outside-implementation example: per-route gather and batched einsums (tests only)",
 )

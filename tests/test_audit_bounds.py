@@ -34,13 +34,14 @@ def small_probes():
 # -- real implementations pass -----------------------------------------------------------------
 
 @pytest.mark.parametrize("probe", PROBES)
+@pytest.mark.clause("accuracy")
 def test_implementation_within_bounds(impl_backend, impl_dtype, probe):
     """Every registered implementation, on every backend here, at every dtype it declares,
     under its declared model."""
     impl, backend = impl_backend.impl, impl_backend.backend
     # The interpreter pays per program: the tiny preset keeps kernel runs well under a second.
     cfg = preset("tiny") if backend.runs_triton and backend.name != "cuda" else preset("small")
-    problem = probe_problem(probe, cfg.replace(dtype=impl_dtype), 64, seed=3,
+    problem = probe_problem(probe, impl.fit(cfg, impl_dtype), 64, seed=3,
                             device=impl_backend.device)
     v = judge(run_poisoned(impl, problem), problem, impl)
     assert v.ok, v.text

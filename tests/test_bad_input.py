@@ -119,7 +119,7 @@ def _swap_heads_of_token0(call: ExpertCall) -> ExpertCall:
     """Two routes of token 0, one per head, exchange their output slots: every slot stays in
     range and distinct, and each names the token of its route, but the other head."""
     slots = call.table.route_slots.clone()
-    K = CFG.top_k
+    K = call.config.top_k
     a = int((slots == 0).nonzero()[0])        # (s=0, h=0, k=0)
     b = int((slots == K).nonzero()[0])        # (s=0, h=1, k=0)
     slots[a], slots[b] = K, 0
@@ -166,11 +166,12 @@ def _stale_fused_route_table(call: ExpertCall) -> ExpertCall:
     from magi_moe.kernels.fused_routing import fused_route
 
     gen = torch.Generator().manual_seed(5)
-    gate = (torch.randn(CFG.num_banks, CFG.head_dim, generator=gen) * 0.25).to(call.x.device)
-    first = fused_route(call.x, gate, None, CFG).table
+    cfg = call.config
+    gate = (torch.randn(cfg.num_banks, cfg.head_dim, generator=gen) * 0.25).to(call.x.device)
+    first = fused_route(call.x, gate, None, cfg).table
     assert first.trusted
-    more = torch.randn(4 * S, CFG.hidden_size, generator=gen).to(call.x)
-    fused_route(more, gate, None, CFG)
+    more = torch.randn(4 * S, cfg.hidden_size, generator=gen).to(call.x)
+    fused_route(more, gate, None, cfg)
     assert not first.trusted
     return dataclasses.replace(call, table=first)
 
@@ -198,7 +199,7 @@ EXPERT_ROWS = [
     ExpertRow("trusted-then-gather_ids-edited", _edit_trusted("gather_ids", 10**8), ValueError,
               r"table\.gather_ids must lie in \[0, 12\)", child=True),
     ExpertRow("trusted-then-route_slots-edited", _edit_trusted("route_slots", 10**9), ValueError,
-              r"table\.route_slots must lie in \[0, 48\)", child=True),
+              r"table\.route_slots must lie in \[0, {routes}\)", child=True),
     ExpertRow("trusted-then-offsets-edited-through-a-view", _edit_trusted_offsets, ValueError,
               r"table\.offsets must (start at 0 and end|be non-decreasing)", child=True),
     ExpertRow("trusted-then-edited-in-inference-mode", _edit_trusted_in_inference_mode, ValueError,
@@ -208,7 +209,7 @@ EXPERT_ROWS = [
     ExpertRow("trusted-then-probs-edited", _edit_trusted("sorted_probs", float("inf")), ValueError,
               r"table\.sorted_probs must be finite"),
     ExpertRow("stale-fused-route-table", _stale_fused_route_table, ValueError,
-              r"table\.offsets must start at 0 and end at the route count 48, got 0 \.\. 192",
+              r"table\.offsets must start at 0 and end at the route count {routes}, got 0 \.\. {routes4}",
               child=True,
               triton_only=True),
     # inconsistent route slots: in range, so only the full validation sees them
@@ -219,10 +220,10 @@ EXPERT_ROWS = [
               lambda c: _replace(c, gather_ids=c.table.gather_ids.flip(0).contiguous()), ValueError,
               r"table\.route_slots disagree with table\.gather_ids"),
     ExpertRow("offsets-out-of-range", lambda c: _replace(c, offsets=c.table.offsets * 2), ValueError,
-              r"table\.offsets must start at 0 and end at the route count 48"),
+              r"table\.offsets must start at 0 and end at the route count {routes}"),
     ExpertRow("table-for-another-config",
-              lambda c: dataclasses.replace(c, config=CFG.replace(num_experts=16)), ValueError,
-              r"table was built for H=2 E=8 K=2"),
+              lambda c: dataclasses.replace(c, config=c.config.replace(num_experts=16)), ValueError,
+              r"table was built for H=2 E=8 K={top_k}"),
     ExpertRow("table-not-a-route-table",
               lambda c: dataclasses.replace(c, table=tuple(dataclasses.astuple(c.table))), TypeError,
               r"table must be a magi_moe\.routing\.RouteTable"),
@@ -238,7 +239,7 @@ EXPERT_ROWS = [
                                                               dtype=c.out.dtype, device=c.x.device)),
               ValueError, r"out must have rank 2"),
     ExpertRow("out-one-row-short", lambda c: dataclasses.replace(c, out=c.out[:-1]), ValueError,
-              r"out must have shape \[12, 64\]"),
+              r"out must have shape \[12, {hidden}\]"),
     ExpertRow("out-wrong-dtype",
               lambda c: dataclasses.replace(c, out=c.out.to(_other_dtype(c.out.dtype))), ValueError,
               r"out must have dtype"),
@@ -248,21 +249,34 @@ EXPERT_ROWS = [
 
 
 def _expert_call(impl, device: str) -> ExpertCall:
-    p = random_problem(CFG, S, seed=0, device=device)
+    """A valid call at the nearest config ``impl`` declares (its shape rule and dtypes)."""
+    config = impl.fit(CFG)
+    p = random_problem(config, S, seed=0, device=device)
     out = torch.full(p.x.shape, float("nan"), dtype=impl.output_dtype(p.x.dtype), device=device)
-    return ExpertCall(p.x, p.table, p.weights, CFG, out)
+    return ExpertCall(p.x, p.table, p.weights, config, out)
+
+
+def expected_message(pattern: str, config: MoEConfig) -> str:
+    """A row's pattern for the config its call was built at."""
+    routes = S * config.num_heads * config.top_k
+    return pattern.format(hidden=config.hidden_size, routes=routes, routes4=4 * routes,
+                          top_k=config.top_k)
 
 
 def run_expert_row(impl, device: str, row: ExpertRow) -> None:
     """Make the bad call, check the exception and that nothing changed (raises AssertionError)."""
-    call = row.make(_expert_call(impl, device))
+    call = _expert_call(impl, device)
+    config = call.config
+    call = row.make(call)
     before = snapshot(call.tensors())
-    raises(row.exc, row.pattern,
+    raises(row.exc, expected_message(row.pattern, config),
            lambda: impl(call.x, call.table, call.weights, call.config, out=call.out))
     assert_unchanged(before, call.tensors())
 
 
 @pytest.mark.parametrize("row", [pytest.param(r, id=r.id) for r in EXPERT_ROWS])
+@pytest.mark.clause("input-checks")
+@pytest.mark.needs("input_checks")
 def test_expert_call_rejects_bad_input(impl_backend, row: ExpertRow):
     backend = impl_backend.backend
     if row.triton_only and not backend.runs_triton:
@@ -274,6 +288,8 @@ def test_expert_call_rejects_bad_input(impl_backend, row: ExpertRow):
         run_expert_row(impl_backend.impl, impl_backend.device, row)
 
 
+@pytest.mark.clause("input-checks")
+@pytest.mark.needs("input_checks")
 def test_out_on_another_device_is_refused(impl_backend):
     if not torch.cuda.is_available():
         pytest.skip("needs a second device")
@@ -282,15 +298,16 @@ def test_out_on_another_device_is_refused(impl_backend):
     out = call.out.to(other)
     before = snapshot({**call.tensors(), "out": out})
     raises(ValueError, r"out must be on device", lambda: impl_backend.impl(
-        call.x, call.table, call.weights, CFG, out=out))
+        call.x, call.table, call.weights, call.config, out=out))
     assert_unchanged(before, {**call.tensors(), "out": out})
 
 
+@pytest.mark.clause("inputs-unchanged")
 def test_trusted_table_stays_trusted_without_a_change(impl_backend):
     """The control for the trust rows: an unchanged builder table is trusted and runs."""
     call = _expert_call(impl_backend.impl, impl_backend.device)
     assert call.table.trusted and call.table.to(impl_backend.device).trusted
-    impl_backend.impl(call.x, call.table, call.weights, CFG, out=call.out)
+    impl_backend.impl(call.x, call.table, call.weights, call.config, out=call.out)
     assert not call.out.isnan().any() and call.table.trusted
 
 

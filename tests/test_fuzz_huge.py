@@ -59,6 +59,7 @@ def test_huge_cases_stay_in_range_when_one_token_passes_the_boundary(case):
 @pytest.mark.serial
 @pytest.mark.kernels_only
 @pytest.mark.needs("int64_offsets")
+@pytest.mark.clause("int64-offsets")
 def test_layer_past_int32_offsets(impl_backend):
     """The whole layer (every kernel that indexes by token: the router's reads of x, the expert
     kernels, the top-k sum's writes of y) on a real 700,100-token input at H=12 (row stride 3072:

@@ -28,6 +28,7 @@ TestSnapshotCacheSwaps.settings = settings(profiles.examples(1.0), stateful_step
 
 @fuzzers.campaign_target
 @pytest.mark.needs("weight_cache")
+@pytest.mark.clause("weight-swaps")
 def test_weight_swaps(impl_backend):
     target = fuzzers.pytest_target(impl_backend, "differential")
     machine = weight_swap_machine(layer_factory_for(target.impl), config=CONFIG, device=target.device,

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.needs("weight_cache")
+@pytest.mark.clause("cuda-graph")
 def test_fused_layer_keeps_its_graph_promises(impl_backend):
     if impl_backend is None or impl_backend.backend.name != "cuda":
         pytest.skip("CUDA graphs need the cuda backend")

@@ -22,16 +22,18 @@ def _weights(p, **changes):
 
 
 # (id, make bad (x, table, weights) from a valid problem, exception, message pattern)
+# Patterns may name the problem's config ({hidden}, {head_dim}, {inter}, {dtype}): each
+# implementation runs at the nearest config its declaration accepts.
 ERROR_INPUTS = [
     ("x-rank-3", lambda p: (p.x[None], p.table, p.weights), ValueError, "x must have rank 2"),
-    ("x-width", lambda p: (p.x[:, :-16], p.table, p.weights), ValueError, r"x must have shape \[12, 64\]"),
-    ("x-tokens", lambda p: (p.x[:-1], p.table, p.weights), ValueError, r"x must have shape \[12, 64\]"),
+    ("x-width", lambda p: (p.x[:, :-16], p.table, p.weights), ValueError, r"x must have shape \[12, {hidden}\]"),
+    ("x-tokens", lambda p: (p.x[:-1], p.table, p.weights), ValueError, r"x must have shape \[12, {hidden}\]"),
     ("x-int", lambda p: (p.x.to(torch.int32), p.table, p.weights), ValueError, "x must have dtype"),
     ("x-not-tensor", lambda p: (p.x.tolist(), p.table, p.weights), TypeError, "x must be a torch.Tensor"),
     ("w_up-shape", lambda p: (p.x, p.table, _weights(p, w_up=p.weights.w_up[:, :, :-16])),
-     ValueError, r"w_up must have shape \[16, 32, 64\]"),
-    ("w_down-dtype", lambda p: (p.x, p.table, _weights(p, w_down=p.weights.w_down.half())),
-     ValueError, "w_down must have dtype bfloat16"),
+     ValueError, r"w_up must have shape \[16, {head_dim}, {inter}\]"),
+    ("w_down-dtype", lambda p: (p.x, p.table, _weights(p, w_down=p.weights.w_down.to(_other(p.x.dtype)))),
+     ValueError, "w_down must have dtype {dtype}"),
     ("gather-out-of-range", lambda p: (p.x, _table(p, gather_ids=p.table.gather_ids + 5), p.weights),
      ValueError, r"table.gather_ids must lie in \[0, 12\)"),
     ("gather-negative", lambda p: (p.x, _table(p, gather_ids=p.table.gather_ids - 100), p.weights),
@@ -49,6 +51,21 @@ ERROR_INPUTS = [
 ]
 
 
+def _other(dtype: torch.dtype) -> torch.dtype:
+    return torch.float16 if dtype != torch.float16 else torch.bfloat16
+
+
+def _problem(impl, device):
+    """The error inputs' valid problem, at the nearest config ``impl`` declares."""
+    return random_problem(impl.fit(preset("tiny")), 12, seed=0, device=device)
+
+
+def _expected(pattern: str, config) -> str:
+    return pattern.format(hidden=config.hidden_size, head_dim=config.head_dim,
+                          inter=config.intermediate_size,
+                          dtype=str(config.dtype).removeprefix("torch."))
+
+
 def _swap_offsets(offsets):
     bad = offsets.clone()
     nonzero = torch.nonzero(bad[1:-1] > 0).flatten()
@@ -58,17 +75,21 @@ def _swap_offsets(offsets):
 
 
 @pytest.mark.parametrize("make_bad,exc,pattern", [pytest.param(*e[1:], id=e[0]) for e in ERROR_INPUTS])
+@pytest.mark.clause("input-checks")
+@pytest.mark.needs("input_checks")
 def test_bad_inputs_raise_clear_errors(impl_backend, make_bad, exc, pattern):
-    problem = random_problem(preset("tiny"), 12, seed=0, device=impl_backend.device)
+    problem = _problem(impl_backend.impl, impl_backend.device)
     x, table, weights = make_bad(problem)
-    with pytest.raises(exc, match=pattern):
+    with pytest.raises(exc, match=_expected(pattern, problem.config)):
         impl_backend.impl(x, table, weights, problem.config)
 
 
+@pytest.mark.clause("input-checks")
+@pytest.mark.needs("input_checks")
 def test_mismatched_devices_are_named(impl_backend):
     if not torch.cuda.is_available():
         pytest.skip("needs a second device")
-    problem = random_problem(preset("tiny"), 12, seed=0, device=impl_backend.device)
+    problem = _problem(impl_backend.impl, impl_backend.device)
     other = "cpu" if impl_backend.device == "cuda" else "cuda"
     with pytest.raises(ValueError, match="one device"):
         impl_backend.impl(problem.x, problem.table, problem.weights.to(other), problem.config)

@@ -84,9 +84,10 @@ def broken_dir(tmp_path) -> Path:
 
 # -- the protocol, for whatever --impl selects --------------------------------------------------
 
+@pytest.mark.clause("accuracy")
 def test_protocol_matches_the_oracle(impl_backend, impl_dtype):
     """At every dtype the implementation declares."""
-    problem = random_problem(preset("small").replace(dtype=impl_dtype), 57, seed=31,
+    problem = random_problem(impl_backend.impl.fit(preset("small"), impl_dtype), 57, seed=31,
                              device=impl_backend.device)
     out = run_poisoned(impl_backend.impl, problem)
     assert out.dtype == impl_backend.impl.output_dtype(impl_dtype)
@@ -94,8 +95,9 @@ def test_protocol_matches_the_oracle(impl_backend, impl_dtype):
     assert v.ok, v.text
 
 
+@pytest.mark.clause("zero-rows")
 def test_protocol_writes_zeros_where_nothing_is_routed(impl_backend):
-    cfg = preset("tiny")
+    cfg = impl_backend.impl.fit(preset("tiny"))
     full = random_problem(cfg, 40, seed=32, device=impl_backend.device)
     gen = torch.Generator().manual_seed(32)
     keep = (torch.rand(full.table.num_routes, generator=gen) < 0.4).to(impl_backend.device)
@@ -114,8 +116,10 @@ def test_protocol_writes_zeros_where_nothing_is_routed(impl_backend):
 
 
 @pytest.mark.needs("deterministic")
+@pytest.mark.clause("determinism")
 def test_protocol_deterministic_reruns_are_bitwise_equal(impl_backend):
-    problem = random_problem(preset("tiny"), 45, seed=33, device=impl_backend.device)
+    problem = random_problem(impl_backend.impl.fit(preset("tiny")), 45, seed=33,
+                             device=impl_backend.device)
     first = run_poisoned(impl_backend.impl, problem)
     for run in range(20):
         again = run_poisoned(impl_backend.impl, problem)

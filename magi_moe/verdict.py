@@ -1,0 +1,234 @@
+"""The verdict: one row per contract clause and implementation, from whatever judged it.
+
+``magi-moe check`` / ``pytest --conformance`` (through magi-moe's pytest plugin) and the audit
+(``audit.report``) report the cases they ran as :class:`Outcome` records, each naming its clause
+(:data:`CLAUSES`). :func:`verdict_rows` folds them into one :class:`ClauseVerdict` per clause:
+
+* ``PASS``: every case that ran passed;
+* ``FAIL``: at least one failed; the row counts them, quotes the first failure and gives the
+  command that reruns it alone (one root cause is one row, not one line per case);
+* ``NOT DECLARED``: nothing ran because the implementation does not declare the capability the
+  clause judges (``deterministic``, ``input_checks``, ...);
+* ``UNSUPPORTED``: nothing ran because every case lies outside its declared shapes or dtypes;
+* ``NOT RUN``: nothing ran here for another reason (no GPU, a backend not usable), named.
+
+Rendered as Markdown (:func:`markdown`) for people and JSON (:func:`as_json`) for dashboards.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+PASS, FAIL, NOT_DECLARED, UNSUPPORTED, NOT_RUN = "PASS", "FAIL", "NOT DECLARED", "UNSUPPORTED", "NOT RUN"
+STATUSES = (FAIL, PASS, NOT_DECLARED, UNSUPPORTED, NOT_RUN)
+
+
+@dataclass(frozen=True)
+class Clause:
+    name: str
+    title: str
+    contract: str  # where docs/CONTRACT.md (or docs/INPUTS.md) states it
+
+
+_FIXED = (
+    Clause("accuracy", "output within the declared precision model's error bounds, every element "
+           "written, at every declared dtype", "CONTRACT 1"),
+    Clause("locality", "a (token, head) result depends on its own routes only: token order, head "
+           "slices, linearity in the routing weights", "CONTRACT 1"),
+    Clause("edge-shapes", "no tokens, block-boundary token counts, one hot expert, empty experts, "
+           "strided rows", "CONTRACT 1-2"),
+    Clause("zero-rows", "a (token, head) pair with no route gets zeros", "CONTRACT 2"),
+    Clause("routing", "the router: tie rule, NaN last, bias steers the choice only, L1 "
+           "normalisation with eps, route_scale, head locality", "CONTRACT 1"),
+    Clause("determinism", "bitwise identical output run after run (declared: deterministic)",
+           "CONTRACT 6"),
+    Clause("int64-offsets", "correct past 2^31 elements of row offset (declared: int64_offsets)",
+           "CONTRACT 7"),
+    Clause("input-checks", "the kernel itself refuses malformed calls before launching "
+           "(declared: input_checks)", "INPUTS"),
+    Clause("inputs-unchanged", "the call leaves x, the route table and the weights as they were",
+           "CONTRACT 2"),
+    Clause("layer-inputs", "the layer refuses bad input and keeps its state", "CONTRACT 3, INPUTS"),
+    Clause("weight-change", "the layer follows every way weights change (one row per route: "
+           "weight-change/<route>)", "CONTRACT 5"),
+    Clause("weight-swaps", "random sequences of weight changes never serve stale weights",
+           "CONTRACT 5"),
+    Clause("cuda-graph", "a captured CUDA graph is right after every weight-change route, or "
+           "promises a recapture", "CONTRACT 8b"),
+    Clause("discipline", "no host sync once warm (declared: no_host_sync)", "CONTRACT 8b"),
+    Clause("compile", "the layer under torch.compile", "CONTRACT 8b"),
+    Clause("other", "tests that name no clause (@pytest.mark.clause)", "-"),
+)
+
+
+# Families: "weight-change/copy_" is the weight-change clause for one route (audit.cache's names).
+FAMILIES = ("weight-change", "cuda-graph")
+
+
+def clauses() -> dict[str, Clause]:
+    """Every fixed clause and family head, in report order."""
+    return {c.name: c for c in _FIXED}
+
+
+def clause(name: str) -> Clause:
+    """The clause called ``name``; ``family/route`` names one route of a family."""
+    known = clauses()
+    if name in known:
+        return known[name]
+    family, _, route = name.partition("/")
+    if family in FAMILIES and route:
+        head = known[family]
+        return Clause(name, f"{head.title.split(' (')[0]}: {route}", head.contract)
+    raise ValueError(f"clause must be one of {list(known)} or family/route for a family of "
+                     f"{FAMILIES}, got {name!r}")
+
+
+def _order(name: str) -> tuple[int, str]:
+    names = list(clauses())
+    family = name.partition("/")[0]
+    return (names.index(family) if family in names else len(names), name)
+
+
+# -- what judged it ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Outcome:
+    """One judged case: ``status`` is ``"passed"``, ``"failed"`` or ``"skipped"``; ``detail`` the
+    first line of the failure or the skip reason; ``repro`` a command that reruns it alone."""
+
+    subject: str   # "impl@backend"
+    clause: str
+    status: str
+    case: str = ""
+    detail: str = ""
+    repro: str = ""
+
+
+_NOT_DECLARED = re.compile(r"does not declare (?!dtype|backend)")
+_UNSUPPORTED = re.compile(r"^unsupported\b|does not declare dtype|outside (its|the) declared")
+
+
+def skip_kind(reason: str) -> str:
+    """What a skip means for the verdict: NOT DECLARED, UNSUPPORTED or NOT RUN."""
+    if _NOT_DECLARED.search(reason):
+        return NOT_DECLARED
+    if _UNSUPPORTED.search(reason):
+        return UNSUPPORTED
+    return NOT_RUN
+
+
+@dataclass
+class ClauseVerdict:
+    subject: str
+    clause: Clause
+    status: str
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    detail: str = ""
+    repro: str = ""
+    failing_cases: list[str] = field(default_factory=list)
+
+    def counts(self) -> str:
+        parts = [f"{n} {w}" for n, w in ((self.passed, "passed"), (self.failed, "failed"),
+                                          (self.skipped, "skipped")) if n]
+        return ", ".join(parts) or "no case"
+
+    def to_dict(self) -> dict:
+        return {"subject": self.subject, "clause": self.clause.name, "title": self.clause.title,
+                "contract": self.clause.contract, "status": self.status, "passed": self.passed,
+                "failed": self.failed, "skipped": self.skipped, "detail": self.detail,
+                "repro": self.repro, "failing_cases": self.failing_cases}
+
+
+def _fold(subject: str, clause_: Clause, outcomes: list[Outcome]) -> ClauseVerdict:
+    failed = [o for o in outcomes if o.status == "failed"]
+    passed = [o for o in outcomes if o.status == "passed"]
+    skipped = [o for o in outcomes if o.status == "skipped"]
+    row = ClauseVerdict(subject, clause_, PASS, len(passed), len(failed), len(skipped))
+    if failed:
+        first = failed[0]
+        row.status, row.detail, row.repro = FAIL, first.detail, first.repro
+        row.failing_cases = [o.case for o in failed]
+        distinct = len({o.detail for o in failed})
+        if distinct > 1:
+            row.detail += f" (and {distinct - 1} other message{'s' if distinct > 2 else ''})"
+    elif passed:
+        if skipped:
+            reason, n = Counter(o.detail for o in skipped).most_common(1)[0]
+            row.detail = f"{len(skipped)} case(s) not run ({n}: {reason})"
+    else:
+        by_kind: dict[str, list[Outcome]] = {}
+        for o in skipped:
+            by_kind.setdefault(skip_kind(o.detail), []).append(o)
+        kind = next(k for k in (NOT_DECLARED, UNSUPPORTED, NOT_RUN) if k in by_kind)
+        row.status, row.detail = kind, by_kind[kind][0].detail
+    return row
+
+
+def verdict_rows(outcomes: list[Outcome]) -> dict[str, list[ClauseVerdict]]:
+    """Per subject (``impl@backend``, in first-seen order): one row per clause it met, in
+    :func:`clauses` order (a family's routes by name). A clause with no outcome at all is left out (nothing judged it)."""
+    grouped: dict[str, dict[str, list[Outcome]]] = {}
+    for o in outcomes:
+        grouped.setdefault(o.subject, {}).setdefault(o.clause, []).append(o)
+    out = {}
+    for subject, by_clause in grouped.items():
+        out[subject] = [_fold(subject, clause(c), by_clause[c]) for c in sorted(by_clause, key=_order)]
+    return out
+
+
+def overall(rows: list[ClauseVerdict]) -> str:
+    if any(r.status == FAIL for r in rows):
+        return FAIL
+    return PASS if any(r.status == PASS for r in rows) else NOT_RUN
+
+
+# -- rendering -------------------------------------------------------------------------------------
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _short(text: str, width: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def markdown(table: dict[str, list[ClauseVerdict]], *, title: str = "magi-moe verdict") -> str:
+    lines = [f"# {title}", ""]
+    for subject, rows in table.items():
+        lines += [f"## {subject}: {overall(rows)}", "",
+                  "| clause | status | cases | detail | rerun the first failure |",
+                  "|---|---|---|---|---|"]
+        for r in rows:
+            repro = f"`{r.repro}`" if r.repro else ""
+            lines.append(f"| {r.clause.name} ({r.clause.contract}) | **{r.status}** | {r.counts()} "
+                         f"| {_cell(_short(r.detail))} | {_cell(repro)} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def text_lines(table: dict[str, list[ClauseVerdict]]) -> list[str]:
+    """The terminal form: one line per clause, the rerun command on the line below a FAIL;
+    subjects that ran nothing here share one line per reason."""
+    lines = []
+    idle: dict[str, list[str]] = {}
+    for subject, rows in table.items():
+        if overall(rows) == NOT_RUN and all(r.status == NOT_RUN for r in rows):
+            idle.setdefault(rows[0].detail, []).append(subject)
+            continue
+        lines.append(f"{subject}: {overall(rows)}")
+        width = max(len(r.clause.name) for r in rows)
+        for r in rows:
+            lines.append(f"  {r.clause.name:<{width}}  {r.status:<12}  {r.counts():<28}  "
+                         f"{_short(r.detail, 110)}")
+            if r.repro:
+                lines.append(f"  {'':<{width}}  rerun: {r.repro}")
+    for reason, subjects in idle.items():
+        lines.append(f"NOT RUN here ({reason}): {', '.join(subjects)}")
+    return lines
+
+
+def as_json(table: dict[str, list[ClauseVerdict]]) -> dict:
+    return {"subjects": [{"subject": s, "verdict": overall(rows),
+                          "clauses": [r.to_dict() for r in rows]} for s, rows in table.items()]}
