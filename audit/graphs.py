@@ -190,18 +190,24 @@ def audit_graph_replay(make_layer: LayerFactory, config: MoEConfig, *, device="c
                        num_tokens: int = 64, seed: int = 0,
                        parameters: tuple[str, ...] = ("W_gate", "W_down"),
                        captures: tuple[str, ...] = ("cudagraph", "compile"),
-                       on_result: Callable[[GraphResult], None] | None = None) -> list[GraphResult]:
-    """Every route of :data:`GRAPH_ROUTES` for each of ``parameters`` and each way of capturing
-    (``cudagraph``: ``torch.cuda.CUDAGraph``; ``compile``: ``torch.compile(mode=
-    "reduce-overhead")``), on a fresh layer each."""
+                       on_result: Callable[[GraphResult], None] | None = None,
+                       routes: tuple[str, ...] | None = None) -> list[GraphResult]:
+    """Every route of :data:`GRAPH_ROUTES` (or those named in ``routes``) for each of
+    ``parameters`` and each way of capturing (``cudagraph``: ``torch.cuda.CUDAGraph``;
+    ``compile``: ``torch.compile(mode="reduce-overhead")``), on a fresh layer each."""
     if torch.device(device).type != "cuda":
         raise ValueError(f"device must be a CUDA device (CUDA graphs), got {device!r}")
     unknown = set(captures) - set(CAPTURES)
     if not captures or unknown:
         raise ValueError(f"captures must be a non-empty subset of {tuple(CAPTURES)}, got {captures}")
+    known = [r.name for r in GRAPH_ROUTES]
+    if routes is not None and (not routes or set(routes) - set(known)):
+        raise ValueError(f"routes must be a non-empty subset of {known}, got {routes}")
     results = []
     for capture in captures:
         for graph_route in GRAPH_ROUTES:
+            if routes is not None and graph_route.name not in routes:
+                continue
             for parameter in parameters:
                 found = _audit_route(make_layer, config, graph_route, parameter,
                                      num_tokens=num_tokens, seed=seed, device=device, capture=capture)

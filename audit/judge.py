@@ -311,7 +311,8 @@ def judge(out: torch.Tensor, problem: Problem, impl: Implementation | PrecisionM
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(problem.x.shape):
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise ValueError(f"out must be a tensor of shape {tuple(problem.x.shape)}, got {got}")
-    declared = impl.precision if isinstance(impl, Implementation) else impl
+    # an implementation may keep another model at some shapes (a fallback path): precision_for
+    declared = impl.precision_for(problem.config) if isinstance(impl, Implementation) else impl
     model = precision_model(declared, problem.x.dtype)
     name = impl.name if isinstance(impl, Implementation) else "output"
     subject = f"{name}{label} [{model.name}]"

@@ -116,12 +116,12 @@ class Audit:
                 return None
         return impl.skip_reason(self.backend)
 
-    def model_for(self, impl: Implementation, dtype: torch.dtype):
+    def model_for(self, impl: Implementation, config):
         """The declared model. Kernels are held to round-to-nearest even under the interpreter,
         whose own fp32 -> bf16 conversion truncates (the self-check reports it): they must round
         by bit arithmetic there (``magi_moe.kernels.rounding``). ``audit.precision.
         with_truncating_downcasts`` gives the model a truncating kernel would need."""
-        return precision_model(impl.precision, dtype)
+        return precision_model(impl.precision_for(config), config.dtype)
 
     # -- sections ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -238,7 +238,7 @@ class Audit:
 
     def _bounds_for(self, config, label, here, baseline, random_problems) -> None:
         o = self.options
-        models = {i.name: self.model_for(i, config.dtype) for i in here}
+        models = {i.name: self.model_for(i, config) for i in here}
         for probe in o.probes:
             problem = probe_problem(probe, config, o.resolved_tokens(), seed=o.seed,
                                     device=self.device)

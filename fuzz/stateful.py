@@ -101,7 +101,7 @@ def layer_factory_for(impl: str | Implementation) -> LayerFactory:
     def make(config: MoEConfig, state_dict: Mapping[str, torch.Tensor], device) -> nn.Module:
         return impl.layer(config, state_dict, device)
     make.__name__ = f"layer_of_{impl.name.replace('-', '_')}"
-    make.precision = impl.precision  # what weight_swap_machine judges its outputs by
+    make.precision_for = impl.precision_for  # what weight_swap_machine judges its outputs by
     return make
 
 
@@ -157,7 +157,9 @@ def weight_swap_machine(layer, *, config: MoEConfig, device: str = "cpu", max_to
     make_layer = _as_factory(layer)
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
-    precision = precision or getattr(make_layer, "precision", None) or "bf16-plain"
+    precision_for = getattr(make_layer, "precision_for", None)
+    precision = (precision or (precision_for(config) if precision_for else None)
+                 or getattr(make_layer, "precision", None) or "bf16-plain")
     precision_model(precision, config.dtype)  # an unknown model fails here, not mid-run
     unknown = set(packed) - set(ALL_TENSORS)
     if unknown or not packed:

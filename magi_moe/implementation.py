@@ -209,6 +209,7 @@ class Implementation:
     launcher: RowLauncher | None = None
     prepare_weights: Callable[..., Any] | None = None
     router: Callable[..., Any] | None = None
+    precision_at: Callable[["MoEConfig"], str | None] | None = None
 
     def __post_init__(self) -> None:
         from .backends import BACKENDS  # a leaf at import time; backends needs only torch
@@ -245,12 +246,26 @@ class Implementation:
             raise ValueError(f"Implementation {self.name!r}: a launcher writing "
                              f"{self.launcher.writes!r} contradicts deterministic="
                              f"{self.deterministic}: the huge fuzzer would test another variant")
-        for name in ("layer_factory", "layer_forward", "prepare_weights", "router"):
+        for name in ("layer_factory", "layer_forward", "prepare_weights", "router", "precision_at"):
             _check_callable(self.name, name, getattr(self, name))
 
     @property
     def deterministic(self) -> bool:
         return "deterministic" in self.capabilities
+
+    def precision_for(self, config: "MoEConfig | None") -> str:
+        """The precision model this implementation keeps at ``config``: ``precision_at(config)``
+        where that names one (a fallback path at some shapes), else ``precision``."""
+        if config is None or self.precision_at is None:
+            return self.precision
+        model = self.precision_at(config)
+        if model is None:
+            return self.precision
+        if model not in PRECISION_MODELS or (model == "float64") != (self.precision == "float64"):
+            raise ValueError(f"Implementation {self.name!r}: precision_at({config}) must return "
+                             f"None or one of {PRECISION_MODELS} (float64 only for the oracle), "
+                             f"got {model!r}")
+        return model
 
     def output_dtype(self, input_dtype: torch.dtype) -> torch.dtype:
         return torch.float64 if self.precision == "float64" else input_dtype
