@@ -1,0 +1,137 @@
+"""The verdict (magi_moe.verdict): one row per contract clause, folded from the cases that judged
+it, and the conformance suite end to end: a correct, input-trusting implementation with a narrow
+shape rule gets no failure and no case outside its rule; a buggy one gets a FAIL row naming the
+clause, whose rerun command fails again on its own."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from magi_moe import verdict as V
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _o(clause, status, detail="", case="", repro="", subject="k@cpu"):
+    return V.Outcome(subject, clause, status, case, detail, repro)
+
+
+# -- folding -------------------------------------------------------------------------------------
+def test_one_root_cause_is_one_row_with_a_count():
+    rows = V.verdict_rows([_o("input-checks", "failed", "ValueError not raised", f"t{i}", f"rerun {i}")
+                           for i in range(23)] + [_o("input-checks", "passed")])["k@cpu"]
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row.status, row.failed, row.passed, row.repro) == (V.FAIL, 23, 1, "rerun 0")
+    assert row.failing_cases[:2] == ["t0", "t1"] and "other message" not in row.detail
+
+
+def test_distinct_failure_messages_are_counted():
+    row = V.verdict_rows([_o("accuracy", "failed", "a"), _o("accuracy", "failed", "b"),
+                          _o("accuracy", "failed", "c")])["k@cpu"][0]
+    assert row.detail == "a (and 2 other messages)"
+
+
+@pytest.mark.parametrize("reason, status", [
+    ("k does not declare deterministic", V.NOT_DECLARED),
+    ("k does not declare input_checks", V.NOT_DECLARED),
+    ("unsupported: k: head_dim must be a multiple of 64, got 32", V.UNSUPPORTED),
+    ("k does not declare dtype torch.float16", V.UNSUPPORTED),
+    ("backend cuda unavailable: no CUDA GPU", V.NOT_RUN),
+    ("needs a second device", V.NOT_RUN),
+])
+def test_a_clause_nothing_ran_says_why(reason, status):
+    row = V.verdict_rows([_o("determinism", "skipped", reason)])["k@cpu"][0]
+    assert (row.status, row.detail) == (status, reason)
+
+
+def test_not_declared_wins_over_other_skips():
+    rows = V.verdict_rows([_o("determinism", "skipped", "backend cuda unavailable: no CUDA GPU"),
+                           _o("determinism", "skipped", "k does not declare deterministic")])
+    assert rows["k@cpu"][0].status == V.NOT_DECLARED
+
+
+def test_rows_follow_the_contract_order_and_families_name_their_route():
+    rows = V.verdict_rows([_o("weight-change/to_dtype", "passed"), _o("routing", "passed"),
+                           _o("weight-change/copy_no_grad", "failed", "stale"), _o("accuracy", "passed")])
+    assert [r.clause.name for r in rows["k@cpu"]] == [
+        "accuracy", "routing", "weight-change/copy_no_grad", "weight-change/to_dtype"]
+    assert "copy_no_grad" in rows["k@cpu"][2].clause.title
+    assert V.overall(rows["k@cpu"]) == V.FAIL
+
+
+def test_unknown_clauses_are_refused_naming_the_known_ones():
+    with pytest.raises(ValueError, match="clause must be one of"):
+        V.clause("acuracy")
+    with pytest.raises(ValueError, match="family/route"):
+        V.clause("weight-change/")
+
+
+def test_markdown_and_json_carry_every_row():
+    table = V.verdict_rows([_o("accuracy", "passed"), _o("determinism", "failed", "bits | differ",
+                                                         repro="python -m pytest x")])
+    md = V.markdown(table)
+    assert "| determinism (CONTRACT 6) | **FAIL** | 1 failed | bits \\| differ | `python -m pytest x` |" in md
+    data = V.as_json(table)
+    assert data["subjects"][0]["verdict"] == V.FAIL
+    assert [c["clause"] for c in data["subjects"][0]["clauses"]] == ["accuracy", "determinism"]
+
+
+# -- end to end ----------------------------------------------------------------------------------
+def _conformance(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict, str]:
+    env = dict(os.environ, TRITON_INTERPRET="1", OPENBLAS_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = tmp_path / "verdict"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--conformance", "--impl", spec, "--backend", "cpu",
+         "-p", "no:cacheprovider", "-p", "no:xdist", "--hypothesis-profile", "ci", "-q",
+         "--verdict-dir", str(out), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    data = json.loads((out / "verdict.json").read_text()) if (out / "verdict.json").exists() else {}
+    return proc.returncode, data, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def _rows(data: dict) -> dict[str, dict]:
+    (subject,) = data["subjects"]
+    return {c["clause"]: c for c in subject["clauses"]}
+
+
+@pytest.mark.slow
+def test_a_correct_trusting_narrow_implementation_gets_no_failure(tmp_path):
+    """tests/outside_narrow_example.py raises on anything outside its rule and never validates
+    its inputs: a check that calls it outside the rule, or holds it to input checks it never
+    declared, fails here. Every conformance test must also name its clause."""
+    rc, data, log = _conformance("tests.outside_narrow_example:IMPL", tmp_path, "-m", "not slow")
+    assert rc == 0, log
+    rows = _rows(data)
+    assert not [c for c, r in rows.items() if r["status"] == V.FAIL], log
+    assert "other" not in rows, f"conformance tests without a clause: {rows.get('other')}"
+    assert rows["input-checks"]["status"] == V.NOT_DECLARED
+    for needed in ("accuracy", "edge-shapes", "zero-rows", "locality", "determinism",
+                   "inputs-unchanged", "weight-change/param_data_copy"):
+        assert rows[needed]["status"] == V.PASS, (needed, rows[needed])
+
+
+@pytest.mark.slow
+def test_a_stale_cache_fails_its_route_row_and_the_rerun_fails_again(tmp_path):
+    rc, data, log = _conformance("tests.outside_broken:VERSION_KEYED_LAYER", tmp_path,
+                                 "-k", "test_layer_follows_the_weight_change")
+    assert rc == 1, log
+    rows = _rows(data)
+    stale = rows["weight-change/param_data_copy"]
+    assert stale["status"] == V.FAIL and stale["failed"] == 1, stale
+    assert "stale" in stale["detail"]
+    assert rows["weight-change/load_state_dict"]["status"] == V.PASS
+    args = shlex.split(stale["repro"])
+    assert args[:3] == ["python", "-m", "pytest"]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    again = subprocess.run([sys.executable, *args[1:], "-p", "no:xdist"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 1 and "1 failed" in again.stdout, again.stdout[-3000:]
