@@ -26,10 +26,13 @@ from magi_moe.implementation import Implementation
 from magi_moe.impls import BASELINE, REFERENCE
 from magi_moe.registry import get_implementation, implementations
 from magi_moe.text_tables import format_table
+from magi_moe.verdict import as_json as verdict_json, markdown as verdict_markdown, \
+    text_lines as verdict_text, verdict_rows
 
 from . import mpcheck
 from .bounds import DEFAULT_FAILURE_PROBABILITY, BoundReport, compute_error_bounds, evaluate_bounds
 from .cache import audit_weight_cache
+from .clauses import audit_outcomes
 from .determinism import audit_determinism, audit_layer_determinism
 from .emulation import FP32ACC_EMULATION, negative_controls
 from .judge import judge
@@ -441,6 +444,16 @@ class Audit:
             self.add("compile", label, PASS if report.ok else FAIL, report.detail)
 
     # -- files ---------------------------------------------------------------------------------
+    def outcomes(self):
+        """The rows as verdict outcomes (:mod:`audit.clauses`)."""
+        from magi_moe.registry import get_implementation as load
+
+        specs = {load(s).name: s for s in self.options.impls}
+        impls = {i.name: specs.get(i.name, i.name) for i in self.selected_impls()}
+        runs_on = {name: ("interpret" if self.backend.name == "cpu" and "cpu" not in
+                          load(name).backends else self.backend.name) for name in impls}
+        return audit_outcomes(self.rows, impls=impls, backend=self.backend.name, runs_on=runs_on)
+
     def write(self) -> None:
         out = Path(self.options.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -452,8 +465,14 @@ class Audit:
              "rows": [dict(r.__dict__) for r in self.rows]},
             indent=1, default=str))
         (out / "report.md").write_text(markdown(self.rows, meta, plots, not self.failed and not self.vacuous))
+        table = verdict_rows(self.outcomes())
+        (out / "verdict.md").write_text(verdict_markdown(table, title="magi-moe audit verdict") + "\n")
+        (out / "verdict.json").write_text(json.dumps(verdict_json(table), indent=1) + "\n")
         self.say("")
         self.say(summary_table(self.rows))
+        self.say("\nverdict, one row per contract clause (verdict.md, verdict.json):")
+        for line in verdict_text(table):
+            self.say(line)
         verdict = "FAILED" if self.failed else ("NOTHING AUDITED" if self.vacuous else "PASSED")
         if self.vacuous:
             self.say("\nno implementation under test ran (see the coverage rows); exit status 3, "

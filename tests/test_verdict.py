@@ -135,3 +135,37 @@ def test_a_stale_cache_fails_its_route_row_and_the_rerun_fails_again(tmp_path):
     again = subprocess.run([sys.executable, *args[1:], "-p", "no:xdist"], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 1 and "1 failed" in again.stdout, again.stdout[-3000:]
+
+
+# -- the audit's rows ----------------------------------------------------------------------------
+def test_audit_rows_become_clause_outcomes():
+    from magi_moe.audit.clauses import audit_outcomes
+    from magi_moe.audit.report import Row
+
+    rows = [Row("selfcheck", "interpret: rounding", "pass", "ok"),
+            Row("selfcheck", "interpret: truncation", "info", "observed"),
+            Row("bounds", "fused-layer @ small/random", "pass", "ok", {"preset": "small", "probe": "random"}),
+            Row("bounds", "fused @ small(Dh=64,I=128)/swamp", "FAIL", "too wrong",
+                {"preset": "small(Dh=64,I=128)", "probe": "swamp"}),
+            Row("determinism", "fused.layer()", "pass", "0/10 differ"),
+            Row("determinism", "fused-layer", "info", "3/10 differ; not declared deterministic"),
+            Row("cache", "fused: param_data_copy/W_gate", "FAIL", "stale: served stale weights"),
+            Row("cache", "fused: to_device/all", "skip", "needs a layer on a CUDA device"),
+            Row("cache", "fused", "info", "its layer offers no pack count"),
+            Row("graphs", "fused-layer: in_place/W_gate", "info", "capture failed: host sync"),
+            Row("discipline", "host sync / allocations / compile", "skip", "CUDA only"),
+            Row("coverage", "fused", "pass", "audited")]
+    got = audit_outcomes(rows, impls={"fused": "fused", "fused-layer": "pkg.mod:LAYER"},
+                         backend="cpu", runs_on={"fused": "interpret"})
+    table = V.verdict_rows(got)
+    fused = {r.clause.name: r for r in table["fused@interpret"]}
+    assert fused["accuracy"].status == V.FAIL
+    assert fused["accuracy"].repro == "magi-moe audit --backend cpu --impl fused --preset small --probe swamp"
+    assert fused["weight-change/param_data_copy"].status == V.FAIL
+    assert fused["weight-change/to_device"].status == V.NOT_RUN
+    assert fused["determinism"].status == V.PASS
+    layer = {r.clause.name: r for r in table["fused-layer@cpu"]}
+    assert layer["accuracy"].status == V.PASS
+    assert layer["determinism"].status == V.NOT_DECLARED
+    assert layer["cuda-graph/in_place"].detail.startswith("cannot be captured")
+    assert [r.status for r in table["magi-moe"]] == [V.PASS]
