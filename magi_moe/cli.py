@@ -7,8 +7,9 @@
 ``check`` runs the conformance suite (every test parametrized by the implementation under test,
 from the installed ``magi_moe.tests``) against ``IMPL``: a registered name,
 ``package.module:attr`` importable from the current directory, or an installed entry point.
-On the ``interpret`` backend it sets ``TRITON_INTERPRET=1`` for the pytest process. Exit
-statuses are pytest's; 5 means nothing was tested (magi-moe's pytest plugin says why).
+On the ``interpret`` backend it sets ``TRITON_INTERPRET=1`` for the pytest process. It ends
+with the verdict, one row per contract clause, also written to ``--verdict-dir`` (Markdown and
+JSON). Exit statuses are pytest's; 5 means nothing was tested (magi-moe's pytest plugin says why).
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ def check(argv: list[str]) -> int:
                         help="cpu, interpret or cuda (repeatable; default: every backend the "
                              "implementation declares that is usable here)")
     parser.add_argument("--profile", default="ci", help="Hypothesis profile (default: ci)")
+    parser.add_argument("--verdict-dir", default="magi-moe-verdict", metavar="DIR",
+                        help="where the per-clause verdict is written as verdict.md and "
+                             "verdict.json (default: ./magi-moe-verdict)")
     parser.add_argument("pytest_args", nargs=argparse.REMAINDER,
                         help="after --: passed to pytest (e.g. -k tie -x)")
     args = parser.parse_args(argv)
@@ -41,7 +45,7 @@ def check(argv: list[str]) -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "magi_moe.tests", "--conformance",
            "--impl", args.impl, "-p", "no:cacheprovider", "--hypothesis-profile", args.profile,
-           "-m", "not slow and not benchmark"]
+           "-m", "not slow and not benchmark", "--verdict-dir", args.verdict_dir]
     cmd += [a for b in args.backend for a in ("--backend", b)] + extra
     print("+ " + " ".join(cmd), flush=True)
     return subprocess.call(cmd, env=env)
