@@ -1,20 +1,20 @@
 """Every kernel of the fused layer addressed past ``token * row_stride = 2^31``, cheaply enough for
 the CPU suite (tests/test_fused_offsets.py runs this module in child processes).
 
-The product a kernel forms is ``token * row_stride``; the released layer reaches 2^31 with
-700,100 tokens of stride 3072, which the interpreter cannot run through the router or the top-k
-sum (both launch a program per block of *all* tokens). Here the row stride is large instead:
-``x`` and ``out`` are row views ``ROW_STRIDE`` elements apart into lazily allocated buffers
-(about 4.3 GB of address space each, as the 700,100-token input, a few pages touched), so three
-tokens suffice and token 2 lies past 2^31. ``ROW_STRIDE`` itself fits in int32, so a kernel that forms the product in
-int32 wraps: it reads a wild address (SIGSEGV), or other rows. The layer on these views must
-give, bit for bit, what it gives on the same four rows stored contiguously, and write nothing
-beside the rows of ``out``.
+The product a kernel forms is ``token * row_stride``; the released layer reaches 2^31 with 700,100
+tokens of stride 3072, which the interpreter cannot run through the router or the top-k sum (both
+launch a program per block of *all* tokens). Here the row stride is large instead: ``x`` and
+``out`` are row views ``ROW_STRIDE`` elements apart into lazily allocated buffers (about 4.3 GB of
+address space each, as the 700,100-token input, a few pages touched), so three tokens suffice and
+token 2 lies past 2^31. ``ROW_STRIDE`` itself fits in int32, so a kernel that forms the product in
+int32 wraps: it reads a wild address (SIGSEGV), or other rows. The layer on these views must give,
+bit for bit, what it gives on the same three rows stored contiguously, and write nothing beside the
+rows of ``out``.
 
-Each plan the interpreter can run is checked: ``fused_layer_forward`` itself, the pointer kernels (``router_topk_kernel``,
-``gate_up_kernel``, ``down_kernel``, ``topk_sum_kernel``), the gathered-rows descriptor path
-(``gather_rows_kernel``) and the one-kernel path (``expert_mlp_tma_kernel``, which reads ``x``
-through ``blocks.block_x_rows``).
+Each plan the interpreter can run is checked: ``fused_layer_forward`` itself, the pointer kernels
+(``router_topk_kernel``, ``gate_up_kernel``, ``down_kernel``, ``topk_sum_kernel``), the
+gathered-rows descriptor path (``gather_rows_kernel``) and the one-kernel path
+(``expert_mlp_tma_kernel``, which reads ``x`` through ``blocks.block_x_rows``).
 
 ``python -m magi_moe.tests.fused_offsets [--mutant NAME]`` (``TRITON_INTERPRET=1``) prints one
 ``OK``/``WRONG`` line per plan and exits 0 when all are right, :data:`WRONG_EXIT` otherwise;

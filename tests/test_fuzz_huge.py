@@ -95,7 +95,7 @@ def test_the_huge_fuzzer_draws_inside_the_declared_shapes(dtypes):
     """Every case the huge-offset property draws for an implementation with a narrow shape rule
     (and declared dtypes) is one it accepts: a case outside is returned as unsupported and never
     run, so a strategy that stopped honouring the rule would fail nothing else."""
-    from hypothesis import HealthCheck, strategies as st
+    from hypothesis import HealthCheck
 
     from magi_moe.fuzz.fuzzers import PROPERTIES
     from magi_moe.fuzz.properties import make_target

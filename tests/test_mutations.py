@@ -99,7 +99,8 @@ def test_a_broken_native_kernel_is_caught(tmp_path, name, original, mutated):
     print(f"{name}: exit {child.returncode}\n{child.stdout}")
     assert child.returncode not in (0, MISSED), f"mutant {name} passed:\n{child.stdout}{child.stderr[-1500:]}"
     if child.returncode != ALL_CAUGHT:
-        assert child.end.is_finding, f"mutant {name}: child failed oddly ({child.end.text}):\n{child.stderr[-1500:]}"
+        assert child.end.is_finding, \
+            f"mutant {name}: child failed oddly ({child.end.text}):\n{child.stderr[-1500:]}"
 
 
 def test_the_unmutated_kernel_passes_the_same_check(tmp_path):
