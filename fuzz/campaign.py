@@ -203,17 +203,19 @@ def _run_pytest(cmd: list[str], *, env: dict, out: Path, start: float, budget: f
 
 
 def _replay_child(record: dict, backend: str, timeout: float) -> tuple[str, str]:
-    """Replay ``record`` in a child process. Returns (outcome, text): outcome is ``pass``,
-    ``fail``, ``crash`` (killed by a signal), ``timeout`` or ``unavailable``."""
+    """Replay ``record`` in a child process under a memory cap of its own (:mod:`.child`).
+    Returns (outcome, text): outcome is ``pass``, ``fail``, ``crash`` (killed by a signal),
+    ``timeout`` or ``unavailable`` (also: it needs more memory than it may have here)."""
     from .cases import dumps
+    from .child import run_capped
     cmd = [sys.executable, "-m", "magi_moe.fuzz", "replay", dumps(record)]
-    try:
-        proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(backend), capture_output=True,
-                              text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    proc = run_capped(cmd, cwd=REPO_ROOT, env=child_env(backend), timeout=timeout)
+    if proc.end.kind == "timeout":
         return "timeout", f"replay still running after {timeout:.0f} s (hang)"
+    if proc.end.kind == "memory":
+        return "unavailable", f"replay {proc.end.text}"
     if proc.returncode < 0:
-        return "crash", f"replay killed by {signal.Signals(-proc.returncode).name}"
+        return "crash", f"replay killed by {signal.Signals(-proc.returncode).name} ({proc.end.kind})"
     lines = (proc.stdout + proc.stderr).strip().splitlines() or [""]
     verdict = [line for line in lines if line.startswith(("PASS:", "FAIL:", "UNAVAILABLE:"))]
     outcome = {0: "pass", 1: "fail", REPLAY_UNAVAILABLE: "unavailable"}.get(proc.returncode, "fail")

@@ -100,8 +100,9 @@ def ties(target, budget: float):
 
 
 def huge(target, budget: float):
-    """Tokens past 2^31 / row stride, at widths inside the target's shape rule."""
-    return huge_cases(configs=huge_configs(**({} if target is None else {"shapes": target.impl.shapes})))
+    """Tokens past 2^31 / row stride, at widths inside the target's shape rule, in its dtypes."""
+    declared = {} if target is None else {"shapes": target.impl.shapes, "dtypes": target.dtypes}
+    return huge_cases(configs=huge_configs(**declared))
 
 
 def _reruns(budget: float):

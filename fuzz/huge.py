@@ -10,7 +10,10 @@ rows are compared with the float64 reference computed on just those rows.
 
 An int32 offset makes the load read a wild address, which kills the interpreter's process with
 SIGSEGV (and poisons a CUDA context), so every case runs in a child process
-(:func:`run_isolated`, ``python -m fuzz.huge``) and a death by signal is reported as such.
+(:func:`run_isolated`, ``python -m fuzz.huge``) under a memory cap of its own, and how it ended
+is told apart (:mod:`fuzz.child`): a wild read (SIGSEGV, SIGBUS, a CUDA illegal address) is the
+offset finding; a child that ran out of memory "needs more than N GiB at this case", a resource
+result, never a finding, and never takes the machine down; a timeout is a class of its own.
 
 An implementation is reached through the ``launcher`` it declares
 (:class:`~magi_moe.implementation.RowLauncher`: a caller-owned accumulator, so only the routed
@@ -26,7 +29,6 @@ import importlib
 import json
 import os
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,7 @@ from magi_moe.routing import RouteTable, validate_route_table
 
 from .cases import (ExpertCase, HugeCase, RoutingSpec, ValueSpec, build_problem, case_from_dict,
                     case_to_dict, dumps, first_overflowing_token)
+from .child import ChildEnd, run_capped
 
 __all__ = ["IsolatedResult", "build_huge_problem", "run_huge_case", "run_isolated"]
 
@@ -142,9 +145,13 @@ def run_huge_case(case: HugeCase, *, impl: str, device: str = "cpu", mode: str =
 
 @dataclass(frozen=True)
 class IsolatedResult:
+    """How one case's child ended: ``end`` its class (:mod:`fuzz.child`: ``exited``, ``memory``,
+    ``wild_read``, ``timeout``, ``crash``), ``result`` what it printed when it ran to the end."""
+
     returncode: int
     result: dict | None
     output_tail: str
+    end: ChildEnd = ChildEnd("exited", "")
 
     @property
     def signal_name(self) -> str | None:
@@ -173,22 +180,20 @@ def child_env(backend: str) -> dict[str, str]:
 
 
 def run_isolated(case: HugeCase, *, backend: str, impl: str, mode: str = "launcher",
-                 timeout: float = 600) -> IsolatedResult:
-    """Run one case in a child process and report how it ended (a negative returncode is the
-    signal that killed it, e.g. SIGSEGV from an int32 offset)."""
+                 timeout: float = 600, memory_cap: int | None = None) -> IsolatedResult:
+    """Run one case in a child process under a memory cap of its own (``memory_cap`` bytes,
+    default :func:`fuzz.child.default_memory_cap`) and a time limit, and report how it ended
+    (``end``): a wild read (SIGSEGV from an int32 offset), memory, a timeout, or its result."""
     cmd = [sys.executable, "-m", "magi_moe.fuzz.huge", "--case", dumps(case_to_dict(case)),
            "--device", "cuda" if backend == "cuda" else "cpu", "--impl", impl, "--mode", mode]
-    try:
-        proc = subprocess.run(cmd, env=child_env(backend), cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return IsolatedResult(-int(signal.SIGKILL), {"timeout": timeout}, out[-3000:])
+    run = run_capped(cmd, env=child_env(backend), cwd=REPO_ROOT, timeout=timeout,
+                     memory_cap=memory_cap)
     result = None
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            result = json.loads(line[len(RESULT_PREFIX):])
-    return IsolatedResult(proc.returncode, result, (proc.stdout + proc.stderr)[-3000:])
+    if run.end.kind == "exited":
+        for line in run.stdout.splitlines():
+            if line.startswith(RESULT_PREFIX):
+                result = json.loads(line[len(RESULT_PREFIX):])
+    return IsolatedResult(run.returncode, result, (run.stdout + run.stderr)[-3000:], run.end)
 
 
 def main(argv: list[str] | None = None) -> int:

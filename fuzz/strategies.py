@@ -226,35 +226,40 @@ PRODUCTION_HEAD_DIM, PRODUCTION_INTERMEDIATE, PRODUCTION_HEADS = 256, 1280, (3, 
 
 def huge_cases(*, configs: st.SearchStrategy[MoEConfig] | None = None, shapes: ShapeRule | None = None,
                config: MoEConfig | None = None, max_extra_tokens: int = 4096,
-               production: bool | None = None) -> st.SearchStrategy[HugeCase]:
+               production: bool | None = None, dtypes=None) -> st.SearchStrategy[HugeCase]:
     """Cases with at least one routed token past the int32 boundary ``2^31 / (H*Dh)``, often
     mixed in one block with tokens below it (token 0, the boundary's neighbours, the last token).
 
     ``configs``: the configurations to cross the boundary with. By default widths come from
     inside ``shapes`` (the implementation's declared rule): small ones, and with ``production``
     (the default) the released widths (``Dh=256``, ``I=1280``, ``H`` 3 or 12, a few experts), so
-    a kernel restricted to wide heads still gets tokens past 2^31 where it runs. ``config``
-    pins one configuration (``configs=st.just(config)``)."""
+    a kernel restricted to wide heads still gets tokens past 2^31 where it runs; ``dtypes``
+    (default bf16) likewise the declared dtypes. ``config`` pins one configuration
+    (``configs=st.just(config)``)."""
     if isinstance(max_extra_tokens, bool) or not isinstance(max_extra_tokens, int) or max_extra_tokens < 1:
         raise ValueError(f"max_extra_tokens must be an int >= 1, got {max_extra_tokens!r}")
     if configs is not None:
-        _refuse_both("configs", shapes=shapes, config=config, production=production)
+        _refuse_both("configs", shapes=shapes, config=config, production=production, dtypes=dtypes)
         return _huge_cases(_check_strategy(configs, "configs"), max_extra_tokens)
     if config is not None:
-        _refuse_both("config", shapes=shapes, production=production)
+        _refuse_both("config", shapes=shapes, production=production, dtypes=dtypes)
         _check_config(config)
         return _huge_cases(st.just(config), max_extra_tokens)
     return _huge_cases(huge_configs(shapes=ANY_SHAPE if shapes is None else shapes,
-                                    production=production is not False), max_extra_tokens)
+                                    production=production is not False,
+                                    **({} if dtypes is None else {"dtypes": dtypes})),
+                       max_extra_tokens)
 
 
-def huge_configs(*, shapes: ShapeRule = ANY_SHAPE, production: bool = True) -> st.SearchStrategy[MoEConfig]:
+def huge_configs(*, shapes: ShapeRule = ANY_SHAPE, production: bool = True,
+                 dtypes=(torch.bfloat16,)) -> st.SearchStrategy[MoEConfig]:
     """Configurations for :func:`huge_cases`: small widths inside ``shapes``, and with
-    ``production`` the released ones (as close as ``shapes`` allows)."""
+    ``production`` the released ones (as close as ``shapes`` allows), in one of ``dtypes``."""
     shapes = _check_shapes(shapes)
+    dtypes = _part(dtypes, _check_dtypes)
     head_dims, inters = _accepted_widths(shapes, (4 * WIDTH_MULTIPLE, 4 * WIDTH_MULTIPLE))
     small = _huge_configs(st.integers(1, 3), st.sampled_from(head_dims), st.sampled_from(inters),
-                          shapes)
+                          shapes, dtypes)
     if not production:
         return small
     wide_dims = [d for d in (PRODUCTION_HEAD_DIM,) if d in shapes.head_dims(d, d)] or \
@@ -262,16 +267,17 @@ def huge_configs(*, shapes: ShapeRule = ANY_SHAPE, production: bool = True) -> s
     wide_inters = [i for i in (PRODUCTION_INTERMEDIATE,) if i in shapes.intermediate_sizes(i, i)] or \
         shapes.intermediate_sizes(PRODUCTION_INTERMEDIATE, 8192)[:1]
     wide = _huge_configs(st.sampled_from(PRODUCTION_HEADS), st.sampled_from(wide_dims),
-                         st.sampled_from(wide_inters), shapes, max_experts=2)
+                         st.sampled_from(wide_inters), shapes, dtypes, max_experts=2)
     return st.one_of(small, wide)
 
 
 @st.composite
-def _huge_configs(draw, heads, head_dims, inters, shapes: ShapeRule, max_experts: int = 8) -> MoEConfig:
+def _huge_configs(draw, heads, head_dims, inters, shapes: ShapeRule, dtypes,
+                  max_experts: int = 8) -> MoEConfig:
     E = draw(st.integers(1, max_experts))
     return MoEConfig(num_heads=draw(heads), head_dim=draw(head_dims), num_experts=E,
                      top_k=draw(st.integers(1, min(E, shapes.max_top_k or E))),
-                     intermediate_size=draw(inters), route_scale=2.5)
+                     intermediate_size=draw(inters), route_scale=2.5, dtype=draw(dtypes))
 
 
 @st.composite

@@ -43,6 +43,7 @@ except ImportError:  # the child process runs this file as a script from a bare 
 
 from magi_moe.backends import BACKENDS  # noqa: E402
 from magi_moe.config import MoEConfig, preset  # noqa: E402
+from magi_moe.fuzz.child import run_capped  # noqa: E402
 from magi_moe.fuzz.properties import spec_for  # noqa: E402
 from magi_moe.layer import MagiMoE  # noqa: E402
 from magi_moe.problems import random_problem, relative_l2, routes_to  # noqa: E402
@@ -341,14 +342,14 @@ def _run_child(args: list[str], env: dict[str, str] | None = None) -> tuple[dict
     env = dict(os.environ if env is None else env)
     # magi_moe's import root first; the caller's path kept (an outside implementation lives there)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], env=env,
-                          capture_output=True, text=True, timeout=600)
+    # under a memory cap of its own: a child that runs out of memory is told from a wild read
+    proc = run_capped([sys.executable, str(Path(__file__).resolve()), *args], env=env, timeout=600)
     results = {}
     for line in proc.stdout.splitlines():
         if line.startswith("ROW "):
             row_id, outcome = json.loads(line[4:])
             results[row_id] = outcome
-    died = (f"the child process died (exit {proc.returncode}): "
+    died = (f"the child process died ({proc.end.kind}: {proc.end.text}): "
             f"{proc.stderr.strip().splitlines()[-1:] if proc.stderr.strip() else ''}")
     return results, died
 

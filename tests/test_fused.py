@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -424,11 +423,13 @@ def test_int64_offsets_past_2_31(device):
     """Tokens 699,049..700,099 of a 700,100-token input (H*Dh = 3072); on the CPU the 4.3 GB
     input is never touched except at those rows, and the check runs in a child process so that
     an int32 offset (a wild read) shows as a signal instead of killing the test session."""
+    from magi_moe.fuzz.child import run_capped
+
     script = INT64_SCRIPT.format(device=device.type)
     env = {**os.environ, "TRITON_INTERPRET": "1" if device.type == "cpu" else "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, f"child exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+    proc = run_capped([sys.executable, "-c", script], env=env, timeout=600,
+                      cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, f"child: {proc.end.text}:\n{proc.stderr[-3000:]}"
     assert proc.stdout.startswith("ok")
 
 

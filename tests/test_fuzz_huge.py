@@ -14,6 +14,7 @@ from magi_moe.fuzz.cases import HugeCase, first_overflowing_token
 from magi_moe.fuzz.huge import build_huge_problem
 from magi_moe.fuzz.strategies import huge_cases
 from magi_moe.config import preset
+from magi_moe.implementation import Implementation, ShapeRule
 from magi_moe.routing import validate_route_table
 
 
@@ -84,3 +85,37 @@ def test_layer_past_int32_offsets(impl_backend):
     rows = torch.tensor([0, t0 - 2, t0 - 1, t0, t0 + 1, t0 + 517, x.shape[0] - 1], device="cuda")
     ok, how = fresh(cfg, layer, x[rows], y[rows])
     assert ok, f"{impl.name}: rows around token {t0} (offset 2^31) are wrong: {how}"
+
+
+NARROW = ShapeRule(head_dim_multiple=48, intermediate_multiple=80, min_head_dim=96,
+                   max_head_dim=192, max_top_k=2)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,), (torch.float16,)], ids=["bf16", "fp16-only"])
+def test_the_huge_fuzzer_draws_inside_the_declared_shapes(dtypes):
+    """Every case the huge-offset property draws for an implementation with a narrow shape rule
+    (and declared dtypes) is one it accepts: a case outside is returned as unsupported and never
+    run, so a strategy that stopped honouring the rule would fail nothing else."""
+    from hypothesis import HealthCheck
+
+    from magi_moe.fuzz.fuzzers import PROPERTIES
+    from magi_moe.fuzz.properties import make_target
+
+    impl = Implementation("narrow-huge", lambda *a, **k: None, ("cpu",), "bf16-fp32acc",
+                          dtypes=dtypes, capabilities={"int64_offsets"}, shapes=NARROW)
+    target = make_target(impl, "cpu", spec="magi_moe.tests.test_fuzz_huge:unused")
+    drawn: list[HugeCase] = []
+
+    @settings(max_examples=150, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(pair=PROPERTIES["huge_offsets"].strategy(target))
+    def draw(pair):
+        case, _ = pair
+        drawn.append(case)
+        why = impl.supports(case.config)
+        assert why is None, f"drew {case.config} outside the declared rule: {why}"
+        assert max(case.tokens) >= first_overflowing_token(case.config)
+
+    draw()
+    widths = {(c.config.head_dim, c.config.intermediate_size) for c in drawn}
+    assert len(drawn) >= 100 and len(widths) > 1, widths  # not one fixed shape
