@@ -471,7 +471,7 @@ def _check_own_table(routes, cfg, record: dict) -> None:
     """A router that also returns the route table it built (the fused router builds it on the
     device, and the expert kernels read it): it must be ``build_route_table`` of its own choices,
     field for field. Ties and NaN are where a device-built table can count a route twice or not
-    at all while every choice is right (session 6: a NaN key equal to the 'taken' sentinel)."""
+    at all while every choice is right (the fused router once counted a NaN key equal to the 'taken' sentinel)."""
     want = build_route_table(Routes(routes.expert_ids.long(), routes.probs), cfg)
     difference = routes.table.first_difference(want)
     if difference is not None:

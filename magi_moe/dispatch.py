@@ -9,10 +9,9 @@
    a swap; workspaces grow on first use), so it stays outside compiled graphs.
 4. Otherwise -- CUDA, or CPU with ``TRITON_INTERPRET=1``, bf16/fp16 -- ``fused``, at every token
    count and in deterministic mode too: it has no atomics, so it is bitwise reproducible at no
-   extra cost. No token-count threshold: on the H200 (NOTES-perf.md, version 5, ``python -m
-   magi_moe.benchmark --anchors``, both in one run) fused beat native 5.2x at 512 tokens, 4.1x
-   at 4096 and 3.9x at 16384 (3 heads), 3.5x at 4096 tokens with 12 heads; its layer path
-   (routing included) beat torch routing + native 5.4x at 512 tokens (version 3).
+   extra cost. No token-count threshold: on the H200 (docs/PERFORMANCE.md, "Current figures",
+   ``python -m magi_moe.bench --anchors``, both in one run) fused beat native 3.2-3.7x at every
+   benchmark case on the anchors draw and 3.5-5.2x on the concentrated one.
 """
 from __future__ import annotations
 
