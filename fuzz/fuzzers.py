@@ -229,7 +229,7 @@ def replay(record: Mapping[str, Any]) -> dict:
         raise ValueError(f"record property must be one of {sorted(PROPERTIES)}, got {record.get('property')!r}")
     case = case_from_dict(record["case"])
     target = prop.target_of(record)
-    why = target.backend.unavailable_reason()
+    why = target.skip_reason()
     if why:
         raise RuntimeError(f"cannot replay on backend {target.backend.name}: {why}")
     return prop.run(target, case, record.get("params", {}))
@@ -295,7 +295,7 @@ def pytest_target(subject, prop: str | Property):
             pytest.skip(why)
         return subject
     target = P.target_for(subject)
-    if target.backend.name == "interpret" and "cpu" in target.impl.backends:
+    if target.backend.name == "interpret" and target.impl.plain_pytorch:
         pytest.skip(f"{target.impl.name} runs no Triton kernel: @interpret would repeat @cpu")
     why = target.skip_reason(prop.needs)
     if why:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from .backends import interpreter_enabled, triton_installed
 from .implementation import Implementation
 from .impls import FUSED, NATIVE, NATIVE_DET, REFERENCE
 
@@ -31,9 +30,8 @@ def _compiling() -> bool:
 
 def choose_implementation(device: torch.device, dtype: torch.dtype, *,
                           deterministic: bool = False) -> Implementation:
-    kernels_run_here = triton_installed() and (
-        device.type == "cuda" or (device.type == "cpu" and interpreter_enabled()))
-    if not kernels_run_here or dtype not in KERNEL_DTYPES:
+    # native and fused declare the same backends: where one runs on ``device``, both do
+    if NATIVE.skip_reason(device) or dtype not in KERNEL_DTYPES:
         return REFERENCE
     if dtype in FUSED.dtypes and not _compiling():
         return FUSED
