@@ -28,6 +28,7 @@ from magi_moe.implementation import CAPABILITIES
 
 from . import profiles
 from . import properties as P
+from .hypothesis_internals import set_database_key, set_given_settings
 from .strategies import configs, empty_bank_sets, expert_cases, huge_cases, huge_configs, tie_cases, token_counts
 
 __all__ = [
@@ -275,9 +276,8 @@ def apply_row_settings(test, prop: Property, nodeid: str) -> None:
     """Before one row of a parametrized ``@given`` test runs: its property's settings, and its
     own example-database key (the node id, as Hypothesis's pytest plugin keys rows of
     ``@pytest.mark.parametrize``), so rows neither share nor overwrite saved examples."""
-    fn = getattr(test, "__func__", test)
-    fn._hypothesis_internal_use_settings = prop.search_settings()
-    fn.hypothesis.inner_test._hypothesis_internal_add_digest = nodeid.encode()
+    set_given_settings(test, prop.search_settings())
+    set_database_key(test, nodeid.encode())
 
 
 def pytest_target(subject, prop: str | Property):
