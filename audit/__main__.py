@@ -122,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         allow_no_kernels=args.allow_no_kernels)
     audit = Audit(options)
     if not audit.backend.available and args.backend != "cpu":
-        print(f"backend {args.backend} unavailable: {audit.backend.unavailable_reason()}",
-              file=sys.stderr)
+        print(audit.backend.skip_reason(), file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     if args.threads or args.backend != "cuda":

@@ -72,7 +72,7 @@ FAITHFUL_GAP = 0.25
 # Other summation orders tried when the strict one-ulp form fails: reversed, then permutations.
 # Each order shows some of the elements whose rounding the order can flip; with two, a CPU
 # proxy of the H200's order (a third, random order) kept 99.0-99.1% of the rest within one ulp
-# on the fp16 swamp probe, at the edge; with four, ORDER_SEEDS' margin (NOTES.md).
+# on the fp16 swamp probe, at the edge; with four, ORDER_SEEDS' margin (docs/DESIGN.md).
 ORDER_SEEDS = (None, 0, 1, 2)
 FP32_TINY = torch.finfo(torch.float32).tiny  # 2^-126, below which fp32 sums may flush to zero
 # What each precision model promises beyond its bounds: the reference precision it must be

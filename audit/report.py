@@ -111,13 +111,10 @@ class Audit:
         return implementations()
 
     def runnable_here(self, impl: Implementation) -> str | None:
-        """Why ``impl`` cannot run on this audit's device, or None. The ``cpu`` backend also
-        runs Triton implementations when the interpreter is enabled (same device)."""
-        if self.backend.name == "cpu" and self.backend.name not in impl.backends:
-            interp = get_backend("interpret")
-            if "interpret" in impl.backends and interp.available:
-                return None
-        return impl.skip_reason(self.backend)
+        """Why ``impl`` cannot run on this audit's device, or None. The ``cpu`` backend audits
+        whatever runs on CPU tensors: Triton implementations too, under the interpreter."""
+        where = torch.device("cpu") if self.backend.name == "cpu" else self.backend
+        return impl.skip_reason(where)
 
     def model_for(self, impl: Implementation, config):
         """The declared model. Kernels are held to round-to-nearest even under the interpreter,
@@ -415,7 +412,7 @@ class Audit:
 
         problem = self.main_problem(problems)
         for impl in self.selected_impls():
-            if self.runnable_here(impl) or impl.precision == "float64":
+            if self.runnable_here(impl) or impl.is_oracle:
                 continue
             why = impl.supports(problem.config)
             if why:

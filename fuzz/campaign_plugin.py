@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 
 from . import record as rec
+from .hypothesis_internals import given_settings, seed_run_stream, set_given_settings
 
 TIMEOUT_EXIT = 76
 
@@ -209,15 +210,9 @@ def _round_seed(campaign_seed: int, nodeid: str, round_no: int) -> int:
 
 
 def _seed_rounds(seed: int) -> None:
-    """Seed the stream Hypothesis draws each round's seed from. ``hypothesis.seed()`` or
-    ``--hypothesis-seed`` would also switch the example database off, which a campaign needs;
-    this reaches into Hypothesis (best effort: without it rounds are seeded from the OS)."""
-    import random
-
-    from hypothesis import core
-    local = getattr(core, "threadlocal", None)
-    if local is not None and hasattr(local, "_hypothesis_global_random"):
-        local._hypothesis_global_random = random.Random(seed)
+    """Seed the stream Hypothesis draws each round's seed from, keeping the example database a
+    campaign needs (best effort: without it rounds are seeded from the OS)."""
+    seed_run_stream(seed)
 
 
 def _write_stats(out: Path, item, **stats) -> None:
@@ -236,18 +231,17 @@ def _round_examples(item, examples: int | None):
         return
     from hypothesis import settings
 
-    fn = getattr(item.obj, "__func__", item.obj)
-    given = getattr(fn, "_hypothesis_internal_use_settings", None)
+    given = given_settings(item.obj)
     profile = settings.get_profile("campaign")
     if given is not None:
-        fn._hypothesis_internal_use_settings = settings(given, max_examples=min(examples, given.max_examples))
+        set_given_settings(item.obj, settings(given, max_examples=min(examples, given.max_examples)))
     settings.register_profile("campaign", parent=profile, max_examples=min(examples, profile.max_examples))
     settings.load_profile("campaign")
     try:
         yield
     finally:
         if given is not None:
-            fn._hypothesis_internal_use_settings = given
+            set_given_settings(item.obj, given)
         settings.register_profile("campaign", parent=profile)
         settings.load_profile("campaign")
 

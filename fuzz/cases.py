@@ -387,7 +387,7 @@ def build_router_inputs(case: TieCase, device: str | torch.device = "cpu"):
         bias[flags < 0.2] = float("nan")
         bias[(flags >= 0.2) & (flags < 0.3)] = float("-inf")
         # and always head 0's last expert: a kernel that pads E to a power of two keeps its
-        # sentinels next to that index (session 6: a NaN there was counted as a route)
+        # sentinels next to that index (a NaN there was once counted as a route)
         bias[E - 1] = float("nan")
     if kind == "inf-bias":
         bias = bias_levels.clone()

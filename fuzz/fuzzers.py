@@ -28,6 +28,7 @@ from magi_moe.implementation import CAPABILITIES
 
 from . import profiles
 from . import properties as P
+from .hypothesis_internals import set_database_key, set_given_settings
 from .strategies import configs, empty_bank_sets, expert_cases, huge_cases, huge_configs, tie_cases, token_counts
 
 __all__ = [
@@ -237,7 +238,7 @@ def replay(record: Mapping[str, Any]) -> dict:
         raise ValueError(f"record property must be one of {sorted(PROPERTIES)}, got {record.get('property')!r}")
     case = case_from_dict(record["case"])
     target = prop.target_of(record)
-    why = target.backend.unavailable_reason()
+    why = target.skip_reason()
     if why:
         raise RuntimeError(f"cannot replay on backend {target.backend.name}: {why}")
     return prop.run(target, case, record.get("params", {}))
@@ -285,9 +286,8 @@ def apply_row_settings(test, prop: Property, nodeid: str) -> None:
     """Before one row of a parametrized ``@given`` test runs: its property's settings, and its
     own example-database key (the node id, as Hypothesis's pytest plugin keys rows of
     ``@pytest.mark.parametrize``), so rows neither share nor overwrite saved examples."""
-    fn = getattr(test, "__func__", test)
-    fn._hypothesis_internal_use_settings = prop.search_settings()
-    fn.hypothesis.inner_test._hypothesis_internal_add_digest = nodeid.encode()
+    set_given_settings(test, prop.search_settings())
+    set_database_key(test, nodeid.encode())
 
 
 def pytest_target(subject, prop: str | Property):
@@ -305,7 +305,7 @@ def pytest_target(subject, prop: str | Property):
             pytest.skip(why)
         return subject
     target = P.target_for(subject)
-    if target.backend.name == "interpret" and "cpu" in target.impl.backends:
+    if target.backend.name == "interpret" and target.impl.plain_pytorch:
         pytest.skip(f"{target.impl.name} runs no Triton kernel: @interpret would repeat @cpu")
     why = target.skip_reason(prop.needs)
     if why:

@@ -88,8 +88,7 @@ class RouterTarget:
         return self.backend.device
 
     def skip_reason(self, needs: tuple[str, ...] = ()) -> str | None:
-        why = self.backend.unavailable_reason()
-        return f"backend {self.backend.name} unavailable: {why}" if why else None
+        return self.backend.skip_reason()
 
     def __str__(self) -> str:
         return f"{self.name or self.spec}@{self.backend.name}"
@@ -175,7 +174,7 @@ def _require_written(out: torch.Tensor, record: dict, what: str = "output") -> N
 
 
 def _accumulate_dtype(impl: Implementation) -> torch.dtype:
-    return torch.float64 if impl.precision == "float64" else torch.float32
+    return torch.float64 if impl.is_oracle else torch.float32
 
 
 def _run(target: Target, problem: Problem) -> torch.Tensor:
@@ -295,7 +294,7 @@ def check_linearity(target: Target, case: ExpertCase) -> dict:
             event("linearity: skipped, output near the dtype's range")
             return {"skipped": "near overflow"}
         twice = out.double() * 2  # exact: doubling a finite float never rounds below overflow
-        exact = target.impl.precision == "float64" or target.impl.deterministic
+        exact = target.impl.is_oracle or target.impl.deterministic
         if exact:
             # Exact only for normal numbers: below the dtype's smallest normal the grid spacing is
             # fixed, so round(2v) and 2 round(v) may differ by one subnormal step.
@@ -471,7 +470,7 @@ def _check_own_table(routes, cfg, record: dict) -> None:
     """A router that also returns the route table it built (the fused router builds it on the
     device, and the expert kernels read it): it must be ``build_route_table`` of its own choices,
     field for field. Ties and NaN are where a device-built table can count a route twice or not
-    at all while every choice is right (session 6: a NaN key equal to the 'taken' sentinel)."""
+    at all while every choice is right (the fused router once counted a NaN key equal to the 'taken' sentinel)."""
     want = build_route_table(Routes(routes.expert_ids.long(), routes.probs), cfg)
     difference = routes.table.first_difference(want)
     if difference is not None:

@@ -59,7 +59,7 @@ from magi_moe.weights import ExpertWeights
 from .tolerance import CAMPAIGN_FAILURE_PROBABILITY
 
 __all__ = ["AUDIT_ROUTES", "CHANGES", "EXPERT_PARAMS", "NEEDS_INVALIDATE", "ROUTER_TENSORS",
-           "LayerFactory", "layer_factory_for", "weight_swap_machine"]
+           "LayerFactory", "WeightSwapMachine", "layer_factory_for", "weight_swap_machine"]
 
 # The change routes of CONTRACT section 5, by the names the machine's rules use.
 CHANGES = (
@@ -111,8 +111,6 @@ def note(text: str) -> None:
         _hypothesis_note(text)
 
 
-
-
 def _group(name: str) -> tuple[str, ...]:
     """The tensors a change of ``name`` writes: both router biases move together."""
     return ROUTER_BIASES if name in ROUTER_BIASES else (name,)
@@ -135,21 +133,297 @@ def _as_factory(layer) -> LayerFactory:
                     f"make_layer(config, state_dict, device), got {type(layer).__name__}")
 
 
-def _change_rule(how: str, names, then_forwards):
-    """The rule ``change_<how>(name, then_forward)``: its own rule, so swarm testing can
-    enable it alone with ``forward``."""
-    def step(self, name, then_forward):
-        self._change(how, name, then_forward)
-    step.__name__ = step.__qualname__ = f"change_{how}"
-    step.__doc__ = f"Change a tensor by route {how!r} (see CHANGES)."
-    return rule(name=names, then_forward=then_forwards)(step)
+class WeightSwapMachine(RuleBasedStateMachine):
+    """The weight-swap state machine, for the layer and shapes a subclass names: don't run this
+    class itself, take :func:`weight_swap_machine`'s subclass (it validates the arguments and
+    adds the rules whose strategies depend on them). The class attributes below are what a
+    subclass sets."""
+
+    make_layer: LayerFactory      # (config, state_dict, device) -> the layer under test
+    factory_name: str = ""        # how the layer factory is named in notes and the class name
+    config: MoEConfig
+    device: str = "cpu"
+    packed: tuple[str, ...] = EXPERT_PARAMS  # weights whose change may (and must) repack
+    precision: str = "bf16-plain"  # the precision model forwards are judged by
+
+    @initialize(seed=st.integers(0, 2**32 - 1))
+    def build(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.tmpdir, self.checkpoints = None, 0
+        state = {}
+        for name, (shape, dtype) in _released_shapes(self.config).items():
+            state[name] = self._draw(name, shape, dtype, self.device)
+        state["router.expert_bias_ema"] = state["router.expert_bias"].clone()
+        self.layer = self.make_layer(self.config, state, self.device)
+        missing = [n for n in ALL_TENSORS if n not in self.layer.state_dict()]
+        assert not missing, f"layer.state_dict() lacks the released names {missing}"
+        self.changed: list[str] = ["built from a state dict"]
+        self.invalidated, self.packed_changed = False, True
+        self.last_packs = self._packs()
+        note(f"layer {type(self.layer).__name__} via {self.factory_name}, {self.config.describe()}, "
+             f"device {self.device}")
+
+    def teardown(self) -> None:
+        if getattr(self, "tmpdir", None):
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    # -- the optional cache protocol ----------------------------------------------------------------
+    def _cache_part(self, attr: str):
+        """``layer.<attr>`` else ``layer.weight_cache.<attr>``, or None."""
+        for owner in (self.layer, getattr(self.layer, "weight_cache", None)):
+            if owner is not None and hasattr(owner, attr):
+                return getattr(owner, attr)
+        return None
+
+    def _packs(self) -> int | None:
+        count = self._cache_part("pack_count") if hasattr(self, "layer") else None
+        return None if count is None else int(count)
+
+    def _invalidator(self):
+        fn = getattr(self.layer, "invalidate_weight_cache", None)
+        if not callable(fn):
+            fn = getattr(getattr(self.layer, "weight_cache", None), "invalidate", None)
+        return fn if callable(fn) else None
+
+    def _needs_invalidate(self, how: str) -> bool:
+        promises = getattr(self.layer, "weight_cache_promises", None)
+        if promises is None:
+            promises = getattr(getattr(self.layer, "weight_cache", None), "promises", None)
+        promises = dict(promises or {})
+        return NEEDS_INVALIDATE in (promises.get(how), promises.get(AUDIT_ROUTES.get(how)))
+
+    def _invalidate_now(self, why: str) -> None:
+        fn = self._invalidator()
+        if fn is None:
+            note(f"  {why}, but the layer offers no invalidation")
+            return
+        fn()
+        self.invalidated = True
+        note(f"  {why}: invalidated")
+
+    def _changed(self, what: str, names, how: str) -> None:
+        names = tuple(names)
+        self.changed.append(f"{how}({what})")
+        note(f"change: {how} {what}" + (f" (touches {', '.join(names)})" if len(names) > 1 else ""))
+        touches_packed = bool(set(names) & set(self.packed))
+        if touches_packed and self._needs_invalidate(how):
+            self._invalidate_now(f"{how} is promised as {NEEDS_INVALIDATE!r}")
+        self.packed_changed = self.packed_changed or touches_packed
+
+    # -- values -----------------------------------------------------------------------------------
+    def _draw(self, name: str, shape, dtype, device) -> torch.Tensor:
+        new = torch.randn(tuple(shape), generator=self.gen) * _SCALE.get(name, 0.05)
+        return new.to(dtype=dtype, device=device)
+
+    def _fresh(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """New values for ``name`` with the shape, dtype and device it has now."""
+        t = self.layer.state_dict()[name]
+        return self._draw(name, t.shape, dtype or t.dtype, t.device)
+
+    def _mutating(self):
+        inference = any(t.is_inference() for t in self.layer.state_dict(keep_vars=True).values())
+        return torch.inference_mode() if inference else torch.no_grad()
+
+    def _state_dict_with(self, name: str) -> dict:
+        sd = {k: v.detach().clone() for k, v in self.layer.state_dict().items()}
+        new = self._fresh(name)
+        for n in _group(name):
+            sd[n] = new.clone()
+        return sd
+
+    def _tensors(self, name: str) -> list[torch.Tensor] | None:
+        """The layer's own tensors a single-tensor change of ``name`` writes, or None (and a
+        note) when the layer has no tensor by one of those names."""
+        found = [reach_tensor(self.layer, n) for n in _group(name)]
+        if any(t is None for t in found):
+            note(f"{name}: not applicable (the layer has no parameter or buffer by that name)")
+            return None
+        return found
+
+    def _write_each(self, name: str, write) -> tuple[str, ...]:
+        """``write(tensor, new)`` on each tensor of ``name``'s group, with one new value."""
+        tensors = self._tensors(name)
+        if tensors is None:
+            return ()
+        new = self._fresh(name)
+        for t in tensors:
+            write(t, new.clone())
+        return _group(name)
+
+    def _write_experts(self, dtype: torch.dtype) -> None:
+        """New expert weights (values of ``dtype``) into the layer as its tensors are now."""
+        current = self.layer.state_dict()
+        sd = {k: v.detach().clone() for k, v in current.items()}
+        for n in EXPERT_PARAMS:
+            sd[n] = self._fresh(n, dtype).to(current[n].dtype)
+        with self._mutating():
+            self.layer.load_state_dict(sd)
+
+    # -- the steps the rules take (the rules themselves: weight_swap_machine) -----------------------
+    def _change(self, how: str, name: str, then_forward: int | None) -> None:
+        """Change ``name`` (or, for the round trips, every expert weight) by route ``how``;
+        then forward ``then_forward`` tokens and check them, unless None."""
+        touched = getattr(self, f"_{how}")(name)
+        if touched:
+            self._changed(name, touched, how)
+        self._maybe_forward(then_forward)
+
+    def _maybe_forward(self, then_forward: int | None) -> None:
+        if then_forward is not None:
+            self._check_forward(then_forward, int(torch.randint(2**16, (), generator=self.gen)))
+
+    def _invalidate(self, then_forward: int | None) -> None:
+        """Not a weight change: the explicit invalidation (where the layer offers one)."""
+        if self._invalidator() is not None:
+            self._invalidate_now("invalidate")
+        self._maybe_forward(then_forward)
+
+    # -- the change routes of CHANGES, one method each ---------------------------------------------
+    def _inplace(self, name):
+        tensors = self._tensors(name)
+        if tensors is None:
+            return ()
+        with self._mutating():
+            for t in tensors:
+                t.mul_(-1)
+        return _group(name)
+
+    def _copy(self, name):
+        def write(t, new):
+            with self._mutating():
+                t.copy_(new)
+        return self._write_each(name, write)
+
+    def _load_state_dict(self, name):
+        self.layer.load_state_dict(self._state_dict_with(name))
+        return ALL_TENSORS  # copies into every tensor
+
+    def _load_assign(self, name):
+        self.layer.load_state_dict(self._state_dict_with(name), assign=True)
+        return ALL_TENSORS  # every tensor may get a new storage
+
+    def _data_assign(self, name):
+        def write(t, new):
+            t.data = new
+        return self._write_each(name, write)
+
+    def _data_copy(self, name):
+        return self._write_each(name, lambda t, new: t.data.copy_(new))
+
+    def _set_storage(self, name):
+        def write(t, new):
+            with self._mutating():
+                t.set_(new)
+        return self._write_each(name, write)
+
+    def _mmap_checkpoint(self, name):
+        if self.tmpdir is None:
+            self.tmpdir = tempfile.mkdtemp(prefix="fuzz-mmap-")
+        path = os.path.join(self.tmpdir, f"ckpt-{self.checkpoints}.pt")
+        self.checkpoints += 1
+        torch.save({k: v.cpu() for k, v in self._state_dict_with(name).items()}, path)
+        sd = torch.load(path, mmap=True, map_location="cpu")
+        self.layer.load_state_dict({k: v.to(self.device) for k, v in sd.items()}, assign=True)
+        return ALL_TENSORS
+
+    def _dtype_roundtrip(self, name):
+        self.layer.to(torch.float32)
+        self._write_experts(self.config.dtype)  # values the layer's dtype holds exactly
+        self.layer.to(self.config.dtype)
+        return ALL_TENSORS
+
+    def _device_roundtrip(self, name):
+        if self.device != "cpu" or not torch.cuda.is_available():  # asked here, never at import
+            note("device round trip skipped: needs a CPU layer and a GPU")
+            return ()
+        self.layer.to("cuda")
+        self._write_experts(self.config.dtype)
+        self.layer.to("cpu")
+        return ALL_TENSORS
+
+    def _inference_data(self, name):
+        def write(t, new):
+            with torch.inference_mode():
+                made = new.clone()
+            t.data = made
+        return self._write_each(name, write)
+
+    def _inference_load(self, name):
+        sd = self._state_dict_with(name)
+        with torch.inference_mode():
+            self.layer.load_state_dict(sd)
+        return ALL_TENSORS
+
+    # -- the checks -------------------------------------------------------------------------------
+    def _check_forward(self, tokens: int, seed: int) -> None:
+        config, device = self.config, self.device
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(tokens, config.hidden_size, generator=gen).to(device=device, dtype=config.dtype)
+        with torch.no_grad():
+            y = self.layer(x)
+        packs = self._packs()
+        state = self.layer.state_dict()
+        bias, ema = state["router.expert_bias"].float(), state["router.expert_bias_ema"].float()
+        assert torch.equal(bias, ema), "the layer changed one router bias without the other"
+        gate = state["gate"].detach().float()
+        routes = route(x, gate, ema, config)
+        current = ExpertWeights(*(state[n].detach().to(config.dtype) for n in EXPERT_PARAMS))
+        problem = Problem(config, x, gate, ema, current, routes, build_route_table(routes, config))
+        verdict = judge(y, problem, self.precision, failure_probability=CAMPAIGN_FAILURE_PROBABILITY)
+        since = ", ".join(self.changed) or "nothing"
+        note(f"forward({tokens} tokens): ratio {verdict.ratio:.3f}, packs {self.last_packs} -> {packs}")
+        assert verdict.ok, (f"forward after [{since}] does not match the reference on the current "
+                            f"weights (stale weights?): {verdict.text}")
+        if packs is not None and self.last_packs is not None:
+            delta = packs - self.last_packs
+            assert 0 <= delta <= 1, f"one forward after [{since}] packed {delta} times"
+            if self.invalidated:
+                assert delta == 1, f"forward after invalidation packed {delta} times, not once"
+            elif not self.packed_changed:
+                assert delta == 0, (f"repacked although no packed weight changed since the last "
+                                    f"forward (changes: [{since}])")
+        self.last_packs = packs
+        self.changed, self.invalidated, self.packed_changed = [], False, False
+
+    @invariant()
+    def pack_count_never_decreases(self):
+        packs = self._packs()
+        if packs is not None and self.last_packs is not None:
+            assert packs >= self.last_packs, f"pack_count went down: {self.last_packs} -> {packs}"
+
+
+def _rules(max_tokens: int) -> dict:
+    """The rules, whose strategies depend on ``max_tokens``: ``change_<route>(name,
+    then_forward)`` for each route of :data:`CHANGES` (its own rule, so swarm testing can enable
+    it alone with ``forward``), ``invalidate(then_forward)`` and ``forward(tokens, seed)``."""
+    names = st.sampled_from(EXPERT_PARAMS * 2 + ROUTER_TENSORS)  # expert weights favoured
+    then_forwards = st.none() | st.integers(1, max_tokens)
+
+    def change_rule(how: str):
+        def step(self, name, then_forward):
+            self._change(how, name, then_forward)
+        step.__name__ = step.__qualname__ = f"change_{how}"
+        step.__doc__ = f"Change a tensor by route {how!r} (see CHANGES)."
+        return rule(name=names, then_forward=then_forwards)(step)
+
+    @rule(then_forward=then_forwards)
+    def invalidate(self, then_forward):
+        """Not a weight change: the explicit invalidation (where the layer offers one)."""
+        self._invalidate(then_forward)
+
+    @rule(tokens=st.integers(1, max_tokens), seed=st.integers(0, 2**16))
+    def forward(self, tokens, seed):
+        self._check_forward(tokens, seed)
+
+    return {f"change_{how}": change_rule(how) for how in CHANGES} | {
+        "invalidate": invalidate, "forward": forward}
 
 
 def weight_swap_machine(layer, *, config: MoEConfig, device: str = "cpu", max_tokens: int = 24,
                         packed: tuple[str, ...] = EXPERT_PARAMS,
-                        precision: str | None = None) -> type[RuleBasedStateMachine]:
-    """A ``RuleBasedStateMachine`` class for the layers of ``layer``: an Implementation, its name,
-    or a factory ``make_layer(config, state_dict, device)``.
+                        precision: str | None = None) -> type[WeightSwapMachine]:
+    """A :class:`WeightSwapMachine` subclass for the layers of ``layer``: an Implementation, its
+    name, or a factory ``make_layer(config, state_dict, device)``.
     ``packed``: the weights whose change may (and must) trigger a repack.
     ``precision``: the precision model forwards are judged by; default the implementation's
     declared one (:func:`layer_factory_for` carries it), else ``bf16-plain`` (plain PyTorch's,
@@ -166,261 +440,9 @@ def weight_swap_machine(layer, *, config: MoEConfig, device: str = "cpu", max_to
         raise ValueError(f"packed must be a non-empty subset of {ALL_TENSORS}, got {packed}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    names = st.sampled_from(EXPERT_PARAMS * 2 + ROUTER_TENSORS)  # expert weights favoured
-    then_forwards = st.none() | st.integers(1, max_tokens)
     factory_name = getattr(make_layer, "__name__", type(make_layer).__name__)
-
-    class WeightSwapMachine(RuleBasedStateMachine):
-        @initialize(seed=st.integers(0, 2**32 - 1))
-        def build(self, seed: int) -> None:
-            self.gen = torch.Generator().manual_seed(seed)
-            self.tmpdir, self.checkpoints = None, 0
-            state = {}
-            for name, (shape, dtype) in _released_shapes(config).items():
-                state[name] = self._draw(name, shape, dtype, device)
-            state["router.expert_bias_ema"] = state["router.expert_bias"].clone()
-            self.layer = make_layer(config, state, device)
-            missing = [n for n in ALL_TENSORS if n not in self.layer.state_dict()]
-            assert not missing, f"layer.state_dict() lacks the released names {missing}"
-            self.changed: list[str] = ["built from a state dict"]
-            self.invalidated, self.packed_changed = False, True
-            self.last_packs = self._packs()
-            note(f"layer {type(self.layer).__name__} via {factory_name}, {config.describe()}, "
-                 f"device {device}")
-
-        def teardown(self) -> None:
-            if getattr(self, "tmpdir", None):
-                shutil.rmtree(self.tmpdir, ignore_errors=True)
-
-        # -- the optional cache protocol --------------------------------------------------------
-        def _cache_part(self, attr: str):
-            """``layer.<attr>`` else ``layer.weight_cache.<attr>``, or None."""
-            for owner in (self.layer, getattr(self.layer, "weight_cache", None)):
-                if owner is not None and hasattr(owner, attr):
-                    return getattr(owner, attr)
-            return None
-
-        def _packs(self) -> int | None:
-            count = self._cache_part("pack_count") if hasattr(self, "layer") else None
-            return None if count is None else int(count)
-
-        def _invalidator(self):
-            fn = getattr(self.layer, "invalidate_weight_cache", None)
-            if not callable(fn):
-                fn = getattr(getattr(self.layer, "weight_cache", None), "invalidate", None)
-            return fn if callable(fn) else None
-
-        def _needs_invalidate(self, how: str) -> bool:
-            promises = getattr(self.layer, "weight_cache_promises", None)
-            if promises is None:
-                promises = getattr(getattr(self.layer, "weight_cache", None), "promises", None)
-            promises = dict(promises or {})
-            return NEEDS_INVALIDATE in (promises.get(how), promises.get(AUDIT_ROUTES.get(how)))
-
-        def _invalidate_now(self, why: str) -> None:
-            fn = self._invalidator()
-            if fn is None:
-                note(f"  {why}, but the layer offers no invalidation")
-                return
-            fn()
-            self.invalidated = True
-            note(f"  {why}: invalidated")
-
-        def _changed(self, what: str, names, how: str) -> None:
-            names = tuple(names)
-            self.changed.append(f"{how}({what})")
-            note(f"change: {how} {what}" + (f" (touches {', '.join(names)})" if len(names) > 1 else ""))
-            touches_packed = bool(set(names) & set(packed))
-            if touches_packed and self._needs_invalidate(how):
-                self._invalidate_now(f"{how} is promised as {NEEDS_INVALIDATE!r}")
-            self.packed_changed = self.packed_changed or touches_packed
-
-        # -- values -------------------------------------------------------------------------------
-        def _draw(self, name: str, shape, dtype, device) -> torch.Tensor:
-            new = torch.randn(tuple(shape), generator=self.gen) * _SCALE.get(name, 0.05)
-            return new.to(dtype=dtype, device=device)
-
-        def _fresh(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-            """New values for ``name`` with the shape, dtype and device it has now."""
-            t = self.layer.state_dict()[name]
-            return self._draw(name, t.shape, dtype or t.dtype, t.device)
-
-        def _mutating(self):
-            inference = any(t.is_inference() for t in self.layer.state_dict(keep_vars=True).values())
-            return torch.inference_mode() if inference else torch.no_grad()
-
-        def _state_dict_with(self, name: str) -> dict:
-            sd = {k: v.detach().clone() for k, v in self.layer.state_dict().items()}
-            new = self._fresh(name)
-            for n in _group(name):
-                sd[n] = new.clone()
-            return sd
-
-        def _tensors(self, name: str) -> list[torch.Tensor] | None:
-            """The layer's own tensors a single-tensor change of ``name`` writes, or None (and a
-            note) when the layer has no tensor by one of those names."""
-            found = [reach_tensor(self.layer, n) for n in _group(name)]
-            if any(t is None for t in found):
-                note(f"{name}: not applicable (the layer has no parameter or buffer by that name)")
-                return None
-            return found
-
-        def _write_each(self, name: str, write) -> tuple[str, ...]:
-            """``write(tensor, new)`` on each tensor of ``name``'s group, with one new value."""
-            tensors = self._tensors(name)
-            if tensors is None:
-                return ()
-            new = self._fresh(name)
-            for t in tensors:
-                write(t, new.clone())
-            return _group(name)
-
-        def _write_experts(self, dtype: torch.dtype) -> None:
-            """New expert weights (values of ``dtype``) into the layer as its tensors are now."""
-            current = self.layer.state_dict()
-            sd = {k: v.detach().clone() for k, v in current.items()}
-            for n in EXPERT_PARAMS:
-                sd[n] = self._fresh(n, dtype).to(current[n].dtype)
-            with self._mutating():
-                self.layer.load_state_dict(sd)
-
-        # -- the change routes: one rule each (``change_<route>``, added below the class) ----------
-        def _change(self, how: str, name: str, then_forward: int | None) -> None:
-            """Change ``name`` (or, for the round trips, every expert weight) by route ``how``;
-            then forward ``then_forward`` tokens and check them, unless None."""
-            touched = getattr(self, f"_{how}")(name)
-            if touched:
-                self._changed(name, touched, how)
-            self._maybe_forward(then_forward)
-
-        def _maybe_forward(self, then_forward: int | None) -> None:
-            if then_forward is not None:
-                self._check_forward(then_forward, int(torch.randint(2**16, (), generator=self.gen)))
-
-        @rule(then_forward=then_forwards)
-        def invalidate(self, then_forward):
-            """Not a weight change: the explicit invalidation (where the layer offers one)."""
-            if self._invalidator() is not None:
-                self._invalidate_now("invalidate")
-            self._maybe_forward(then_forward)
-
-        def _inplace(self, name):
-            tensors = self._tensors(name)
-            if tensors is None:
-                return ()
-            with self._mutating():
-                for t in tensors:
-                    t.mul_(-1)
-            return _group(name)
-
-        def _copy(self, name):
-            def write(t, new):
-                with self._mutating():
-                    t.copy_(new)
-            return self._write_each(name, write)
-
-        def _load_state_dict(self, name):
-            self.layer.load_state_dict(self._state_dict_with(name))
-            return ALL_TENSORS  # copies into every tensor
-
-        def _load_assign(self, name):
-            self.layer.load_state_dict(self._state_dict_with(name), assign=True)
-            return ALL_TENSORS  # every tensor may get a new storage
-
-        def _data_assign(self, name):
-            def write(t, new):
-                t.data = new
-            return self._write_each(name, write)
-
-        def _data_copy(self, name):
-            return self._write_each(name, lambda t, new: t.data.copy_(new))
-
-        def _set_storage(self, name):
-            def write(t, new):
-                with self._mutating():
-                    t.set_(new)
-            return self._write_each(name, write)
-
-        def _mmap_checkpoint(self, name):
-            if self.tmpdir is None:
-                self.tmpdir = tempfile.mkdtemp(prefix="fuzz-mmap-")
-            path = os.path.join(self.tmpdir, f"ckpt-{self.checkpoints}.pt")
-            self.checkpoints += 1
-            torch.save({k: v.cpu() for k, v in self._state_dict_with(name).items()}, path)
-            sd = torch.load(path, mmap=True, map_location="cpu")
-            self.layer.load_state_dict({k: v.to(device) for k, v in sd.items()}, assign=True)
-            return ALL_TENSORS
-
-        def _dtype_roundtrip(self, name):
-            self.layer.to(torch.float32)
-            self._write_experts(config.dtype)  # values the layer's dtype holds exactly
-            self.layer.to(config.dtype)
-            return ALL_TENSORS
-
-        def _device_roundtrip(self, name):
-            if device != "cpu" or not torch.cuda.is_available():  # asked here, never at import
-                note("device round trip skipped: needs a CPU layer and a GPU")
-                return ()
-            self.layer.to("cuda")
-            self._write_experts(config.dtype)
-            self.layer.to("cpu")
-            return ALL_TENSORS
-
-        def _inference_data(self, name):
-            def write(t, new):
-                with torch.inference_mode():
-                    made = new.clone()
-                t.data = made
-            return self._write_each(name, write)
-
-        def _inference_load(self, name):
-            sd = self._state_dict_with(name)
-            with torch.inference_mode():
-                self.layer.load_state_dict(sd)
-            return ALL_TENSORS
-
-        # -- the checks -------------------------------------------------------------------------------
-        @rule(tokens=st.integers(1, max_tokens), seed=st.integers(0, 2**16))
-        def forward(self, tokens, seed):
-            self._check_forward(tokens, seed)
-
-        def _check_forward(self, tokens: int, seed: int) -> None:
-            gen = torch.Generator().manual_seed(seed)
-            x = torch.randn(tokens, config.hidden_size, generator=gen).to(device=device, dtype=config.dtype)
-            with torch.no_grad():
-                y = self.layer(x)
-            packs = self._packs()
-            state = self.layer.state_dict()
-            bias, ema = state["router.expert_bias"].float(), state["router.expert_bias_ema"].float()
-            assert torch.equal(bias, ema), "the layer changed one router bias without the other"
-            gate = state["gate"].detach().float()
-            routes = route(x, gate, ema, config)
-            current = ExpertWeights(*(state[n].detach().to(config.dtype) for n in EXPERT_PARAMS))
-            problem = Problem(config, x, gate, ema, current, routes, build_route_table(routes, config))
-            verdict = judge(y, problem, precision, failure_probability=CAMPAIGN_FAILURE_PROBABILITY)
-            since = ", ".join(self.changed) or "nothing"
-            note(f"forward({tokens} tokens): ratio {verdict.ratio:.3f}, packs {self.last_packs} -> {packs}")
-            assert verdict.ok, (f"forward after [{since}] does not match the reference on the current "
-                                f"weights (stale weights?): {verdict.text}")
-            if packs is not None and self.last_packs is not None:
-                delta = packs - self.last_packs
-                assert 0 <= delta <= 1, f"one forward after [{since}] packed {delta} times"
-                if self.invalidated:
-                    assert delta == 1, f"forward after invalidation packed {delta} times, not once"
-                elif not self.packed_changed:
-                    assert delta == 0, (f"repacked although no packed weight changed since the last "
-                                        f"forward (changes: [{since}])")
-            self.last_packs = packs
-            self.changed, self.invalidated, self.packed_changed = [], False, False
-
-        @invariant()
-        def pack_count_never_decreases(self):
-            packs = self._packs()
-            if packs is not None and self.last_packs is not None:
-                assert packs >= self.last_packs, f"pack_count went down: {self.last_packs} -> {packs}"
-
-    for how in CHANGES:
-        setattr(WeightSwapMachine, f"change_{how}", _change_rule(how, names, then_forwards))
-    WeightSwapMachine.__name__ = f"WeightSwaps_{factory_name}"
-    WeightSwapMachine.__qualname__ = WeightSwapMachine.__name__
-    return WeightSwapMachine
+    name = f"WeightSwaps_{factory_name}"
+    return type(WeightSwapMachine)(name, (WeightSwapMachine,), {
+        "make_layer": staticmethod(make_layer), "factory_name": factory_name, "config": config,
+        "device": device, "packed": tuple(packed), "precision": precision, "__qualname__": name,
+        "__module__": __name__, **_rules(max_tokens)})

@@ -47,6 +47,11 @@ class Backend:
     def available(self) -> bool:
         return self.unavailable_reason() is None
 
+    def skip_reason(self) -> str | None:
+        """None when usable here, else the reason naming this backend (a skip or refusal text)."""
+        why = self.unavailable_reason()
+        return f"backend {self.name} unavailable: {why}" if why else None
+
 
 def _cpu_reason() -> str | None:
     return None

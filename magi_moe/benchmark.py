@@ -1,5 +1,5 @@
 """``python -m magi_moe.benchmark``: the older name of ``python -m magi_moe.bench`` (the GPU
-scripts and the notes call it), kept as an alias of the same command line."""
+scripts call it), kept as an alias of the same command line."""
 import sys
 
 from .bench.__main__ import main

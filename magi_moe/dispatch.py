@@ -9,16 +9,14 @@
    a swap; workspaces grow on first use), so it stays outside compiled graphs.
 4. Otherwise -- CUDA, or CPU with ``TRITON_INTERPRET=1``, bf16/fp16 -- ``fused``, at every token
    count and in deterministic mode too: it has no atomics, so it is bitwise reproducible at no
-   extra cost. No token-count threshold: on the H200 (NOTES-perf.md, version 5, ``python -m
-   magi_moe.benchmark --anchors``, both in one run) fused beat native 5.2x at 512 tokens, 4.1x
-   at 4096 and 3.9x at 16384 (3 heads), 3.5x at 4096 tokens with 12 heads; its layer path
-   (routing included) beat torch routing + native 5.4x at 512 tokens (version 3).
+   extra cost. No token-count threshold: on the H200 (docs/PERFORMANCE.md, "Current figures",
+   ``python -m magi_moe.bench --anchors``, both in one run) fused beat native 3.2-3.7x at every
+   benchmark case on the anchors draw and 3.5-5.2x on the concentrated one.
 """
 from __future__ import annotations
 
 import torch
 
-from .backends import interpreter_enabled, triton_installed
 from .implementation import Implementation
 from .impls import FUSED, NATIVE, NATIVE_DET, REFERENCE
 
@@ -32,9 +30,8 @@ def _compiling() -> bool:
 
 def choose_implementation(device: torch.device, dtype: torch.dtype, *,
                           deterministic: bool = False) -> Implementation:
-    kernels_run_here = triton_installed() and (
-        device.type == "cuda" or (device.type == "cpu" and interpreter_enabled()))
-    if not kernels_run_here or dtype not in KERNEL_DTYPES:
+    # native and fused declare the same backends: where one runs on ``device``, both do
+    if NATIVE.skip_reason(device) or dtype not in KERNEL_DTYPES:
         return REFERENCE
     if dtype in FUSED.dtypes and not _compiling():
         return FUSED

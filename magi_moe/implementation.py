@@ -261,14 +261,26 @@ class Implementation:
         model = self.precision_at(config)
         if model is None:
             return self.precision
-        if model not in PRECISION_MODELS or (model == "float64") != (self.precision == "float64"):
+        if model not in PRECISION_MODELS or (model == "float64") != self.is_oracle:
             raise ValueError(f"Implementation {self.name!r}: precision_at({config}) must return "
                              f"None or one of {PRECISION_MODELS} (float64 only for the oracle), "
                              f"got {model!r}")
         return model
 
+    @property
+    def is_oracle(self) -> bool:
+        """The float64 oracle (precision ``float64``): float64 outputs, bitwise the reference,
+        never one of the kernels a check is about."""
+        return self.precision == "float64"
+
+    @property
+    def plain_pytorch(self) -> bool:
+        """Declares the ``cpu`` backend, so it runs plain PyTorch, no Triton kernel: on the
+        interpreter it would repeat its ``cpu`` row, and on a GPU it needs no Triton."""
+        return "cpu" in self.backends
+
     def output_dtype(self, input_dtype: torch.dtype) -> torch.dtype:
-        return torch.float64 if self.precision == "float64" else input_dtype
+        return torch.float64 if self.is_oracle else input_dtype
 
     def supports(self, config: "MoEConfig", dtype: torch.dtype | None = None) -> str | None:
         """None when this implementation accepts ``config`` (and ``dtype``, default the
@@ -293,17 +305,43 @@ class Implementation:
             raise UnsupportedShape(why)
         return fitted
 
-    def skip_reason(self, backend: "Backend | str", dtype: torch.dtype | None = None,
-                    needs: tuple[str, ...] = ()) -> str | None:
-        """Why this implementation cannot run a check here, or None when it can."""
-        from .backends import BACKENDS
+    def backend_on(self, device: "torch.device | str") -> str:
+        """The backend that runs this implementation on tensors on ``device``: a GPU's own
+        (``cuda``); on a CPU, plain PyTorch (``cpu``) where declared, else the Triton
+        interpreter where declared."""
+        device = torch.device(device)
+        if device.type == "cpu" and not self.plain_pytorch and "interpret" in self.backends:
+            return "interpret"
+        return device.type
 
-        backend = BACKENDS[backend] if isinstance(backend, str) else backend
-        if backend.name not in self.backends:
-            return f"{self.name} does not declare backend {backend.name}"
-        why = backend.unavailable_reason()
+    def skip_reason(self, where: "Backend | str | torch.device", dtype: torch.dtype | None = None,
+                    needs: tuple[str, ...] = ()) -> str | None:
+        """Why this implementation cannot run here, or None when it can: the one answer to "can
+        it run here" (tests, audit, fuzzers, layer, dispatch).
+
+        ``where`` is a backend (a :class:`~magi_moe.backends.Backend` or its name): a row of the
+        test matrix, usable as the backend says (``cuda`` means compiled Triton, so not under
+        ``TRITON_INTERPRET=1``). Or a ``torch.device``: tensors already there, run by
+        :meth:`backend_on`; on a GPU the device is there, so what is left to ask is Triton,
+        and only of an implementation that is not :attr:`plain_pytorch`."""
+        from .backends import BACKENDS, triton_installed
+
+        if isinstance(where, torch.device):
+            name = self.backend_on(where)
+            if name not in self.backends:
+                return f"{self.name} does not declare backend {name}"
+            if name == "cuda":
+                gpu_ready = self.plain_pytorch or triton_installed()
+                why = None if gpu_ready else "backend cuda unavailable: triton is not installed"
+            else:
+                why = BACKENDS[name].skip_reason()
+        else:
+            backend = BACKENDS[where] if isinstance(where, str) else where
+            if backend.name not in self.backends:
+                return f"{self.name} does not declare backend {backend.name}"
+            why = backend.skip_reason()
         if why:
-            return f"backend {backend.name} unavailable: {why}"
+            return why
         if dtype is not None and dtype not in self.dtypes:
             return f"{self.name} does not declare dtype {dtype}"
         missing = [n for n in needs if n not in self.capabilities]

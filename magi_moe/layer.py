@@ -6,7 +6,6 @@ from typing import Literal, Mapping
 import torch
 from torch import nn
 
-from .backends import interpreter_enabled, triton_installed
 from .checkpoint import check_state_dict
 from .config import PARAM_DTYPES, MoEConfig
 from .dispatch import choose_implementation
@@ -265,10 +264,7 @@ def _check_runs_here(impl: Implementation, x: torch.Tensor) -> None:
     or a kernel is touched, naming the implementation (a plain CPU process has no Triton
     driver). Dispatch never picks one that cannot."""
     device = x.device
-    runs = ((device.type == "cuda" and "cuda" in impl.backends)
-            or (device.type == "cpu" and ("cpu" in impl.backends or (
-                "interpret" in impl.backends and interpreter_enabled() and triton_installed()))))
-    if not runs:
+    if impl.skip_reason(device):
         hint = (" (its Triton kernels run on a CPU only under TRITON_INTERPRET=1, set before "
                 "importing magi_moe; impl='reference' runs anywhere)"
                 if device.type == "cpu" and "interpret" in impl.backends else "")

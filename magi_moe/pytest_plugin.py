@@ -157,7 +157,7 @@ def impl_backend_params(config, *, needs: tuple[str, ...] = (), kernels_only: bo
     None) instead of one per dtype."""
     params = []
     for impl in selected_impls(config):
-        if kernels_only and impl.precision == "float64":
+        if kernels_only and impl.is_oracle:
             continue
         impl_dtypes = None if dtypes is None else declared_dtypes(impl, dtypes)
         if impl_dtypes == []:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks in one device call, uses the machine's own torch/triton/pytest (nothing installed):
+# GPU checks in one command, uses the machine's own torch/triton/pytest (nothing installed):
 #   bash scripts/gpu_check.sh [STEP ...]     STEP: tests audit ep fuzz bench (default: tests audit)
 #   tests  the suite on the CUDA backend (CPU backends are CI's job), JUnit XML + log;
 #          TEST_WORKERS pytest-xdist workers sharing the GPU (default 8), TEST_ARGS extra args
@@ -11,8 +11,8 @@
 #          resuming from FUZZ_DB (.hypothesis/fuzz-db; returned as fuzz-db.tgz), FUZZ_ARGS extra
 #   bench  the fused benchmarks (scripts/gpu_fused.sh bench)
 # Each step has a timeout (STEP_TIMEOUT_<step> seconds). Results land in $OUT (./gpu-results).
-# On the H200 (session 11) tests + serial took 6.5 min and the audit 6 min: a device call
-# holds at most 10 min, so give them separate calls.
+# On the H200 tests + serial take about 6.5 min and the audit about 6 min: where a command may
+# run at most 10 min, run them separately.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests audit)

@@ -1,5 +1,5 @@
 """What the compiler made of the fused one-kernel path, without a GPU: screen tiles (or a kernel
-change) on any machine before spending device time.
+change) on any machine before spending GPU time.
 
     python scripts/inspect_kernel.py                      # every class of the H200 table
     python scripts/inspect_kernel.py --tiles '{"block_m": 64, "gu_block_n": 32, "gu_warps": 8}'
@@ -12,7 +12,7 @@ memory, registers per thread, spilled bytes, and the innermost loop that issues 
 (HGMMA): its instructions and HGMMAs per trip, how many of those take their first operand from
 registers ("reg A"; the rest read both from shared memory), and its local-memory spills.
 
-Why it exists (NOTES-perf.md, version 7): three kernel shapes were written, passed their
+Why it exists (docs/PERFORMANCE.md, "The one-kernel loop"): three kernel shapes were written, passed their
 bitwise tests on the H200 and were 1.1-4x slower; here, on Triton 3.6, each shows it at once.
 The plain kernel's loop over ``I`` is 502 instructions and 34 HGMMAs a trip at BM=128 (334 and
 33 at BM=64), with no spills. The two-halves block's loop is 1,979 instructions, 132 HGMMAs

@@ -1,6 +1,6 @@
 """How fast can the H200 stream weight tiles from L2 into its multiprocessors? A ceiling for the
 fused one-kernel path, which at BM=64 re-reads every routed bank's weights once per row block
-(NOTES-perf.md, versions 7 and 8: about 3.1 GB from L2 in 0.54 ms at H=3, S=4096).
+(docs/PERFORMANCE.md: about 3.1 GB from L2 in 0.54 ms at H=3, S=4096).
 
     python scripts/probe_l2.py [--json out.json]        # needs a CUDA GPU with TMA (Hopper+)
 

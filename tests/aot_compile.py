@@ -122,7 +122,7 @@ def main() -> int:
         for tiles in sorted(classes, key=repr):       # the H200 tile table, every class,
             expert_launches(tiles)
             expert_launches(T.two_kernel_tiles(tiles, cfg))  # and its no-TMA fallback
-        # the two-kernel descriptor variants the sweep may table (session 2's S=16384 entry)
+        # the two-kernel descriptor variants the sweep may table (as an S=16384 entry once did)
         previous = T.FusedTiles(gu_variant="tma_gathered", block_m=64, gu_block_n=128,
                                 gu_block_k=32, gu_stages=4, gu_act_store="tma",
                                 down_variant="tma", down_block_n=128, down_block_k=64,

@@ -7,7 +7,7 @@ tests show that the fuzzer built for it catches it within the CI budget.
 * :func:`route_ties_to_higher_index`: a router whose ties go to the *higher* expert index (as an
   ``if score >= best`` scan does), the cross-device top-k tie problem of PyTorch #127196.
 * :func:`table_counts_unpicked_nan`: a router whose choices are right but whose own route table
-  counts an unpicked NaN expert once per token (the fused router's session-6 fault: a NaN key
+  counts an unpicked NaN expert once per token (a fault the fused router once had: a NaN key
   equal to the "taken" sentinel), in plain torch.
 * ``empty_expert_garbage``: a padded-block path whose block for an expert with no routes is not
   masked: it reads the neighbouring route's token and probability and adds the empty expert's

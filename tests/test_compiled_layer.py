@@ -94,7 +94,7 @@ def test_compiled_layer_first_call_in_a_process(monkeypatch, allocate):
     """A compiled layer's first call with no workspace yet: cudagraph trees warm up and record
     in their own pool, and a workspace buffer made there outlives the graph's outputs, which
     they refuse. The test above passed or failed by whether an earlier test on the same xdist
-    worker had filled the shared workspace (H200, session 10: 2 of 8 runs failed); this one
+    worker had filled the shared workspace (on the H200 2 of 8 runs failed); this one
     starts from an empty workspace. The control makes buffers on the caller's thread, as
     before, and must hit the refusal."""
     from torch._inductor import cudagraph_trees

@@ -1,5 +1,5 @@
 """scripts/inspect_kernel.py compiles the one-kernel path for sm_90 without a GPU and finds its
-loop over I: the tool that screens kernel changes before device time (NOTES-perf version 7)."""
+loop over I: the tool that screens kernel changes before GPU time (docs/PERFORMANCE.md)."""
 from __future__ import annotations
 
 import json

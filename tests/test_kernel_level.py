@@ -1,5 +1,5 @@
 """magi_moe.bench.kernel_level: the kernel-level set-up the breakdown, the Nsight Compute
-driver and the prototypes' A/B bench share (weights packed once, a fresh workspace per call)."""
+driver and A/B benches share (weights packed once, a fresh workspace per call)."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
 """A problem at kernel level, as the benchmark times the fused path: weights packed once as the
 layer packs them, routes precomputed, and one fused run's launch plan and buffers on a
 workspace of its own for any tiles. Shared by the breakdown (``--breakdown``), the Nsight
-Compute driver (``scripts/profile_kernel.py``) and the A/B bench of the prototypes."""
+Compute driver (``scripts/profile_kernel.py``) and A/B benches of other kernel forms."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace

@@ -18,7 +18,7 @@ from .timing import time_one
 
 # Gate/up candidates as FusedTiles fields, each with the programs per SM to try: "kloop" loops
 # over Dh per column tile, "tma_gathered" loads tiles by tensor descriptor (kernels/fused_tma.py).
-# Earlier versions (NOTES-perf.md) also tried flattened loops, "wide" kernels that loaded a
+# Earlier forms (docs/PERFORMANCE.md) also tried flattened loops, "wide" kernels that loaded a
 # block's x rows once (pointer and descriptor forms), BK=16, 64x256 tiles, register caps and
 # Triton's warp specialisation (wrong outputs on Triton 3.6): slower or wrong, dropped.
 def _gu(variant, bm, bn, bk, warps, stages, ppsm=(1, 2), act="ptr", maxnreg=0):
@@ -33,11 +33,11 @@ def _dn(bm, bn, bk, warps, stages, ppsm=(1, 2), variant="ptr"):
 
 
 GATE_UP_CANDIDATES = tuple(c for group in (
-    # version 3's winner (pointer loads): each block size's first candidate is the reference
+    # the pointer-load winner: each block size's first candidate is the reference
     # the others are checked against
     _gu("kloop", 64, 128, 32, 4, 5, (2,)),
     _gu("kloop", 128, 128, 32, 8, 4, (1,)),
-    # both operands by descriptor, x rows gathered first (version 4's winner first)
+    # both operands by descriptor, x rows gathered first (the gathered-x winner first)
     _gu("tma_gathered", 64, 128, 32, 4, 5, (2,)),
     _gu("tma_gathered", 64, 128, 32, 4, 4, (2,), act="tma"),
     _gu("tma_gathered", 64, 128, 32, 8, 5, (2,)),  # two warpgroups share the epilogue
@@ -54,7 +54,7 @@ MLP_CANDIDATES = tuple(c for group in (
     _gu("mlp_tma", 128, 32, 256, 8, 3, (1,)), _gu("mlp_tma", 128, 32, 256, 8, 2, (1,)),
     _gu("mlp_tma", 128, 16, 256, 8, 4, (1,)),
 ) for c in group)
-# Timed in session 7 and dropped (NOTES-perf version 8): 64 rows on two warpgroups (each MMA
+# Timed on the H200 and dropped (docs/PERFORMANCE.md, "The one-kernel loop"): 64 rows on two warpgroups (each MMA
 # split along N), 2.9-3.3x slower than on one, with or without a 128-register cap and two
 # programs per SM; x as the gate/up MMAs' register operand, and gate and up as one dot of twice
 # the columns, 10-25% slower than the forms above.
@@ -66,7 +66,7 @@ SUM_CANDIDATES = ((8, 4), (16, 4), (32, 4), (32, 8))
 ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
     (16, 64, 4, 4), (32, 64, 4, 4), (32, 64, 8, 8), (16, 32, 4, 4), (32, 32, 8, 4), (32, 32, 4, 4),
     # more tokens per program (the head's gate, 256 KiB in fp32, is read once per token block)
-    # and shorter gate slices: slower on the H200 (NOTES-perf version 7), kept for other GPUs;
+    # and shorter gate slices: slower on the H200 (docs/PERFORMANCE.md), kept for other GPUs;
     # 16-warp forms with 64-128 tokens (5-9x slower, or over shared memory) were dropped
     (64, 32, 8, 4), (32, 16, 8, 4),
 )
@@ -75,7 +75,7 @@ ROUTING_CANDIDATES = (  # (block_s, block_d, warps, place_warps)
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Bit for bit, no NaN: a candidate must give the reference candidate's result exactly, so
     that the tiles a problem gets (its route counts, head count, device) never change a
-    token's output. Expert parallelism's bitwise promise rests on this (NOTES-perf.md)."""
+    token's output. Expert parallelism's bitwise promise rests on this (docs/DESIGN.md)."""
     return not bool(torch.isnan(got).any()) and same_bits(got, want)
 
 
@@ -236,7 +236,7 @@ def same_choices(ids: torch.Tensor, want: torch.Tensor) -> float:
     """Share of (token, head) rows of ``[S, H, K]`` expert ids choosing the same set as
     ``want``. Compared per row, not by CSR position: one near-tie flip moves the CSR position
     of every later route of both banks involved, which failed every ``block_d`` but the
-    reference's at S=16384 (session 6, device call 6)."""
+    reference's at S=16384 on the H200."""
     if ids.numel() == 0:
         return 1.0
     same = (ids.sort(dim=-1).values == want.sort(dim=-1).values).all(dim=-1)

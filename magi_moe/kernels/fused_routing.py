@@ -100,7 +100,7 @@ def router_topk_kernel(
             # gate = g1 + g2 + g3 exactly (three 8-bit significands cover fp32's 24), and each
             # bf16 x bf16 product is exact in fp32: the logits are exact products summed in
             # fp32, an fp32 dot like the FMA chain below, on tensor cores (the FMA form took
-            # 0.18 ms of the layer's 0.82 at S=4096, NOTES-perf.md).
+            # 0.18 ms of the layer's 0.82 at S=4096, docs/PERFORMANCE.md).
             g1 = gk.to(tl.bfloat16)
             rest = gk - g1.to(tl.float32)
             g2 = rest.to(tl.bfloat16)
@@ -139,7 +139,7 @@ def router_topk_kernel(
     # INT32_MIN a NaN expert read as taken and was counted as a route; tests/test_fused.py).
     # An int64 key (selection above the complemented index) took 190 registers a thread, one
     # program per SM; separate max, index and score reductions took twice the barriers
-    # (NOTES-perf.md, version 11).
+    # (docs/PERFORMANCE.md, "The fused router").
     bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)         # signed order == float order
     ordered = tl.where(selection == selection, ordered, -2147483647)  # NaN: below -inf

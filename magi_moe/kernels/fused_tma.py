@@ -7,8 +7,8 @@ address arithmetic), where a pointer load costs every thread address registers a
   and the down projection of a whole row block in one work item. The block's ``x`` rows are
   gathered once; ``[Dh, BLOCK_N]`` gate and up tiles and ``[BLOCK_N, Dh]`` down tiles stream
   through a pipelined loop over ``I``; each ``BLOCK_N``-wide activation slice is rounded to
-  bf16 in registers and fed to the down MMA, so no activation buffer exists (NOTES-perf.md,
-  version 5).
+  bf16 in registers and fed to the down MMA, so no activation buffer exists (docs/PERFORMANCE.md,
+  "Shapes of the expert step").
 * The two-kernel forms (same work items, fp32 accumulation order and outputs as
   ``gate_up_kernel`` and ``down_kernel`` in :mod:`magi_moe.kernels.fused`):
   ``gate_up_tma_kernel`` loads weight tiles by descriptor; with ``X_GATHERED`` the block's ``x``

@@ -45,7 +45,7 @@ def block_schedule_kernel(
 ):
     # Every program works out all banks' block ranges (a cumsum over H*E values) and fills
     # chunks of SLOTS schedule entries: no program waits on another, and none loops over the
-    # busiest bank's blocks (the one-program form took 36 us at S=16384, NOTES-perf.md). The
+    # busiest bank's blocks (the one-program form took 36 us at S=16384, docs/PERFORMANCE.md). The
     # grid is capped (the launcher's choice) so the cumsum is not redone thousands of times.
     pid = tl.program_id(0)
     f = tl.arange(0, BANKS_PAD)

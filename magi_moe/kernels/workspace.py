@@ -68,7 +68,7 @@ class FusedWorkspace:
         # routed to their pool; a buffer made there would outlive the graph's outputs, which
         # they refuse ("tensors in the cudagraph pool not tracked as outputs") on a compiled
         # layer's first call in a process. The routing is per thread (a side stream did not
-        # escape it on the H200, NOTES-perf.md version 11), so buffers are made by another
+        # escape it on the H200, docs/DESIGN.md), so buffers are made by another
         # thread from the ordinary allocator, and marked as used on the caller's stream, so
         # that memory freed when a buffer grows waits for this stream's work before reuse.
         made: list = []
