@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from magi_moe.fuzz import profiles
+from magi_moe.fuzz import fuzzers, profiles
 from magi_moe.fuzz.cases import (ExpertCase, RoutingSpec, TieCase, ValueSpec, build_problem, build_router_inputs,
                         build_values, case_from_dict, case_to_dict, drop_banks, dumps)
 from magi_moe.fuzz.cases import HugeCase, first_overflowing_token
@@ -195,3 +195,35 @@ def test_huge_cases_cross_the_int32_boundary(case):
     assert max(case.tokens) >= t0 and case.tokens[-1] < case.num_tokens
     assert max(case.tokens) * case.config.hidden_size >= 2**31
     assert case_from_dict(json.loads(dumps(case_to_dict(case)))) == case
+
+
+# -- every property draws inside the declaration ------------------------------------------------
+def _narrow_target():
+    from magi_moe.fuzz.properties import make_target
+    from tests.outside_narrow_example import IMPL
+
+    return make_target(IMPL, "cpu", spec="tests.outside_narrow_example:IMPL")
+
+
+@pytest.mark.parametrize("name", sorted(n for n, p in fuzzers.PROPERTIES.items()
+                                        if p.on is fuzzers.ON_IMPLEMENTATIONS))
+def test_every_property_draws_inside_the_declared_shapes_and_dtypes(name):
+    """A kernel restricted to Dh % 64, I % 128, top-k <= 4 and bfloat16 gets cases it accepts
+    from every property's strategy: a strategy that ignores the rule fails here (the huge
+    strategy too), instead of handing the kernel cases it refuses."""
+    target = _narrow_target()
+    prop = fuzzers.PROPERTIES[name]
+    drawn = []
+
+    @settings(max_examples=25, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(pair=prop.strategy(target, budget=1.0))
+    def draw(pair):
+        case, _ = pair
+        config = case.config
+        dtype = getattr(case, "dtype", config.dtype)
+        assert target.impl.supports(config, dtype) is None, (name, config, dtype)
+        drawn.append(config)
+
+    draw()
+    assert drawn
