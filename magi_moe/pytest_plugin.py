@@ -329,7 +329,21 @@ class Tally:
                     out.append(self._explain(f"--impl {spec} ran no test", impl.name))
         elif self.impl_tests and not sum(self.ran.values()):
             out.append(self._explain("every implementation test was skipped", None))
+        elif not self.config.getoption("--backend"):
+            out += self._untested_kernels()
         return out
+
+    def _untested_kernels(self) -> list[str]:
+        """A whole run (no --impl, no --backend) in which no Triton kernel ran: every row of the
+        backends that run them was skipped as unavailable (interpreter off, no GPU)."""
+        def backend(o): return o.subject.rpartition("@")[2]
+        kernel_rows = [o for o in self.outcomes if backend(o) in ("interpret", "cuda")]
+        if not kernel_rows or any(o.status != "skipped" for o in kernel_rows):
+            return []
+        reasons = Counter(o.detail for o in kernel_rows)
+        top = "; ".join(f"{n} x {r}" for r, n in reasons.most_common(2))
+        return [f"no Triton kernel was tested: all {len(kernel_rows)} kernel rows were skipped "
+                f"({top}); set TRITON_INTERPRET=1 without a GPU, or select --backend cpu"]
 
     def _explain(self, head: str, name: str | None) -> str:
         reasons = Counter()
