@@ -10,6 +10,9 @@ from pathlib import Path as _Path
 _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "audit" / "__init__.py").is_file() and not (_Path(__file__).parent / "audit").exists():
     __path__.append(str(_checkout))  # noqa: F821 -- a package's __path__
+    from . import suite_names as _suite_names
+
+    _suite_names.install()  # the top-level names audit, fuzz, tests: aliases, one module each
 from .config import PRESETS, MoEConfig, preset
 from .layer import MagiMoE
 from .reference import expert_reference, layer_reference, swiglu7
