@@ -99,6 +99,13 @@ def ties(target, budget: float):
     return tie_cases(budget=budget)
 
 
+def router_inputs(target, budget: float):
+    """Router inputs (exact ties, NaN rows, continuous values) inside what the target declares."""
+    if target is None:
+        return tie_cases(budget=budget)
+    return tie_cases(configs=configs(budget=budget, dtypes=target.dtypes, shapes=target.impl.shapes))
+
+
 def huge(target, budget: float):
     """Tokens past 2^31 / row stride, at widths inside the target's shape rule."""
     return huge_cases(configs=huge_configs(**({} if target is None else {"shapes": target.impl.shapes})))
@@ -179,6 +186,8 @@ class Property:
 PROPERTIES: dict[str, Property] = {p.name: p for p in (
     Property("differential", P.check_differential, cases=expert()),
     Property("tie_rule", P.check_tie_rule, cases=ties, on=ON_ROUTERS, examples=2.0),
+    # every implementation's own router (impl.route), judged like magi-moe's
+    Property("routing", P.check_routing, cases=router_inputs, params={"head": st.integers(0, 63)}),
     Property("token_permutation", P.check_token_permutation, cases=expert(min_tokens=1),
              params={"perm_seed": SEEDS}, examples=0.5),
     Property("head_locality", P.check_head_locality, cases=expert(),
