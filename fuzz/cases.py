@@ -27,7 +27,7 @@ from magi_moe.routing import RouteTable, Routes, build_route_table, route
 from magi_moe.weights import ExpertWeights
 
 __all__ = [
-    "DTYPES", "ROUTING_KINDS", "TIE_KINDS", "X_DISTRIBUTIONS",
+    "DTYPES", "ROUTER_KINDS", "ROUTING_KINDS", "TIE_KINDS", "X_DISTRIBUTIONS",
     "ExpertCase", "RoutingSpec", "TieCase", "ValueSpec",
     "build_problem", "build_router_inputs", "build_values", "case_from_dict", "case_to_dict",
     "config_from_dict", "config_to_dict", "drop_banks", "dumps", "loads",
@@ -58,8 +58,11 @@ TIE_KINDS = (
     "nan-bias",        # bias levels with some NaN (rank last) and -inf entries
     "underflow",       # logits down to -1024: sigmoid scores underflow to 0 (the L1 norm's eps)
     "inf-bias",        # bias levels with +inf and -inf entries: infinite selection scores tie
+)
+# The router fuzzers' kinds: the grid kinds above (exact fp32 logits) and two more.
+ROUTER_KINDS = TIE_KINDS + (
     "continuous",      # continuous values, a bias that flips choices: ties only within rounding
-    "nan-x",           # grid values with NaN x in one head of some tokens: NaN logits rows
+    "nan-x",           # grid values with NaN x in some (token, head) pairs: NaN logits rows
 )
 
 
@@ -149,8 +152,8 @@ class ExpertCase:
 
 @dataclass(frozen=True)
 class TieCase:
-    """Router inputs, mostly on an exact grid (see ``TIE_KINDS``); ``levels`` distinct gate/bias
-    levels."""
+    """Router inputs of one of ``ROUTER_KINDS`` (those of ``TIE_KINDS`` on an exact grid);
+    ``levels`` distinct gate/bias levels."""
 
     config: MoEConfig
     num_tokens: int
@@ -160,8 +163,8 @@ class TieCase:
     use_bias: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in TIE_KINDS:
-            raise ValueError(f"TieCase.kind must be one of {TIE_KINDS}, got {self.kind!r}")
+        if self.kind not in ROUTER_KINDS:
+            raise ValueError(f"TieCase.kind must be one of {ROUTER_KINDS}, got {self.kind!r}")
         if self.num_tokens < 0 or self.levels < 1:
             raise ValueError(f"TieCase.num_tokens must be >= 0 and .levels >= 1, got "
                              f"{self.num_tokens}, {self.levels}")

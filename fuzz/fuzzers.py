@@ -28,6 +28,7 @@ from magi_moe.implementation import CAPABILITIES
 
 from . import profiles
 from . import properties as P
+from .cases import ROUTER_KINDS
 from .strategies import configs, empty_bank_sets, expert_cases, huge_cases, huge_configs, tie_cases, token_counts
 
 __all__ = [
@@ -95,15 +96,16 @@ def expert(*, min_tokens: int = 0, empty_banks: bool = False):
 
 
 def ties(target, budget: float):
-    """Router inputs with exact ties (whatever the router)."""
-    return tie_cases(budget=budget)
+    """Router inputs with exact ties, NaN rows and continuous values (whatever the router)."""
+    return tie_cases(budget=budget, kinds=ROUTER_KINDS)
 
 
 def router_inputs(target, budget: float):
-    """Router inputs (exact ties, NaN rows, continuous values) inside what the target declares."""
+    """The same router inputs, inside what the target implementation declares."""
     if target is None:
-        return tie_cases(budget=budget)
-    return tie_cases(configs=configs(budget=budget, dtypes=target.dtypes, shapes=target.impl.shapes))
+        return ties(target, budget)
+    return tie_cases(configs=configs(budget=budget, dtypes=target.dtypes, shapes=target.impl.shapes),
+                     kinds=ROUTER_KINDS)
 
 
 def huge(target, budget: float):
