@@ -42,7 +42,8 @@ rounding of ``score + bias`` and fp32's smallest normal number (a GPU may flush 
 A choice of expert ``c`` over the float64 router's ``u`` is a near-tie, reported and not failed,
 when the intervals overlap: ``sel[c] + m[c] >= sel[u] - m[u]``. The weights' tolerance follows
 from the same score bounds through the normalisation (the sum perturbed by the chosen scores'
-bounds, gamma(K) for the fp32 sum, four roundings for the division and the scale).
+bounds, gamma(K) for the fp32 sum, 8u for the division (GPUs' fast division errs by up to two
+ulps), the fp32 route_scale and the product).
 """
 from __future__ import annotations
 
@@ -150,7 +151,7 @@ def selection_margins(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | 
         dmax = dl.amax(-1, keepdim=True)
         per_term = torch.expm1(dl + 2 * U * ((logits - row_max).abs() + dmax + dl)) + 5 * U
         denominator = (scores * per_term).sum(-1, keepdim=True) + _gamma(config.num_experts)
-        relative = (1 + per_term) * (1 + U) / (1 - denominator) - 1
+        relative = (1 + per_term) * (1 + 4 * U) / (1 - denominator) - 1  # a division of 2 ulps
         score_bound = torch.where(denominator < 1, scores * relative, torch.full_like(scores, float("inf")))
     score_bound = score_bound + FP32_TINY
     margin = score_bound if bias is None else score_bound + U * (selection.abs() + score_bound)
@@ -287,7 +288,7 @@ def _weight_bounds(ids: torch.Tensor, ref: Float64Routes, config: MoEConfig):
         d_lo = torch.clamp_min((total - slack) * (1 - g), NORM_EPS * (1 - U))
         d_hi = torch.clamp_min((total + slack) * (1 + g), NORM_EPS * (1 + U))
         low_s, high_s = low_s / d_hi, high_s / d_lo
-    return expected, scale * low_s * (1 - 4 * U), scale * high_s * (1 + 4 * U)
+    return expected, scale * low_s * (1 - 8 * U), scale * high_s * (1 + 8 * U)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
