@@ -233,7 +233,8 @@ def _choice_checks(ids: torch.Tensor, ref: Float64Routes, config: MoEConfig) -> 
     a, b = sc[..., :, None], su[..., None, :]
     tie = pair & ((nan_c & nan_u) | (a == b))
     nan_first = pair & nan_c & ~nan_u
-    within = (a + mc[..., :, None] >= b - mu[..., None, :]) | ~torch.isfinite(mc[..., :, None] + mu[..., None, :])
+    slack = mc[..., :, None] + mu[..., None, :]
+    within = (a + slack >= b) | ~torch.isfinite(slack)  # the two fp32 intervals overlap
     near = pair & ~tie & ~nan_first & ~nan_u & within
     wrong = pair & ~tie & ~nan_first & ~near
     rows = lambda m: m.flatten(2).any(-1)  # noqa: E731 -- [S, H]: any such pair in the row
@@ -241,9 +242,10 @@ def _choice_checks(ids: torch.Tensor, ref: Float64Routes, config: MoEConfig) -> 
     near_rows, wrong_rows = rows(near) & ~rows(wrong | tie | nan_first), rows(wrong)
     if bool(wrong_rows.any()):
         s, h = _where(wrong_rows)
-        name, why = "selection", "not the top-K of the selection scores score + bias beyond the rounding margin"
+        name, why = "selection", ("not the top-K of the selection scores score + bias, beyond the "
+                                  "rounding margin")
         unbiased = select_experts(ref.scores, config.top_k)
-        if not torch.equal(ref.scores, sel) and bool(
+        if sel is not ref.scores and bool(  # a bias was given (float64_routes)
                 (ids.sort(-1).values == unbiased.sort(-1).values)[wrong_rows].all()):
             name, why = "bias_ignored", "the top-K of the unbiased scores: the bias must steer the choice"
         checks.append(RouterCheck(name, False, f"{int(wrong_rows.sum())} (token, head) pairs chose "

@@ -19,7 +19,6 @@ from magi_moe.audit.router_audit import section_routing
 from magi_moe.audit.router_judge import float64_routes, judge_router, judge_router_call
 from magi_moe.audit.router_probes import ROUTER_PROBES, router_probe
 from magi_moe.backends import BACKENDS
-from magi_moe.config import preset
 from magi_moe.routing import Routes, route, router_logits, scores_from_logits, select_experts
 from magi_moe.tests import outside_broken
 from magi_moe.tests.outside_impl_example import IMPL as EXAMPLE
@@ -27,15 +26,18 @@ from magi_moe.tests.test_router_conformance import ROUTER_CONFIGS, judge_impl_ro
 
 REPO = Path(__file__).resolve().parent.parent
 BROKEN = "magi_moe.tests.outside_broken"
-SIGMOID, SOFTMAX_NORM = ROUTER_CONFIGS["sigmoid"], ROUTER_CONFIGS["softmax-norm"]
+SIGMOID = ROUTER_CONFIGS["sigmoid"]
 
 # (broken outside implementation, a probe and configuration where its fault shows, the rule named)
 CAUGHT = [
     pytest.param("ROUTER_FORGETS_L1", "random", "sigmoid", "l1_normalisation", id="forgets-l1"),
-    pytest.param("ROUTER_FORGETS_L1", "underflow", "softmax-norm", "l1_normalisation", id="forgets-l1-softmax"),
+    pytest.param("ROUTER_FORGETS_L1", "underflow", "softmax-norm", "l1_normalisation",
+                 id="forgets-l1-softmax"),
     pytest.param("ROUTER_TIES_TO_HIGHER_INDEX", "ties", "sigmoid", "tie_rule", id="ties-high"),
-    pytest.param("ROUTER_TIES_TO_HIGHER_INDEX", "boundary", "softmax", "tie_rule", id="ties-high-boundary"),
-    pytest.param("ROUTER_BIAS_IN_WEIGHTS", "bias-flips", "softmax-norm", "bias_in_weights", id="bias-weights"),
+    pytest.param("ROUTER_TIES_TO_HIGHER_INDEX", "boundary", "softmax", "tie_rule",
+                 id="ties-high-boundary"),
+    pytest.param("ROUTER_BIAS_IN_WEIGHTS", "bias-flips", "softmax-norm", "bias_in_weights",
+                 id="bias-weights"),
 ]
 
 
