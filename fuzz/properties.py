@@ -410,9 +410,9 @@ def _require_routes(verdict: RouterVerdict, record: dict) -> dict:
 
 
 def check_tie_rule(router: RouterTarget, case: TieCase) -> dict:
-    """The router's routes judged against the float64 router (exact ties to the lower index,
-    first; NaN last; bias in the choice only; L1 normalisation with eps; route_scale), by
-    :func:`audit.router_judge.judge_router`; a router that returns its own route table must
+    """magi-moe's routers judged against the float64 router: exact ties to the lower index,
+    first; NaN last; bias in the choice only; L1 normalisation with eps; route_scale
+    (:func:`audit.router_judge.judge_router`). A router that returns its own route table must
     also match it."""
     if not isinstance(router, RouterTarget):
         raise TypeError(f"router must be a RouterTarget (make_router_target), got {type(router).__name__}")
@@ -430,9 +430,9 @@ def check_tie_rule(router: RouterTarget, case: TieCase) -> dict:
 
 
 def check_routing(target: Target, case: TieCase, *, head: int) -> dict:
-    """The implementation's own router (``impl.route``: its declared ``router``, else magi-moe's)
-    judged against the float64 router like :func:`check_tie_rule`, plus head locality: ``head``'s
-    routes stay put when every other head's inputs are redrawn."""
+    """The implementation's own router judged against the float64 router like the tie rule's,
+    plus head locality. ``impl.route`` is its declared ``router``, else magi-moe's; ``head``'s
+    routes must stay put when every other head's inputs are redrawn."""
     cfg = case.config
     record = _record("routing", target, case, head=head)
     why = target.impl.supports(cfg)
