@@ -2,7 +2,8 @@
 
 Sections, in order: backend self-check; the bounds' own mpmath validation; each implementation
 on each probe judged by :func:`audit.judge.judge` (error bounds first, then the FlashAttention-style
-baseline ratio and faithfulness to its precision model's emulation); negative controls
+baseline ratio and faithfulness to its precision model's emulation); each implementation's
+router judged by :func:`audit.router_judge.judge_router_call` (:mod:`audit.router_audit`); negative controls
 (broken emulations the bounds must flag); determinism; weight cache; discipline and
 ``torch.compile`` (CUDA). Each produces rows with a status: ``pass``, ``FAIL``, ``info`` or
 ``skip``. Any ``FAIL`` makes the exit status 1.
@@ -38,6 +39,7 @@ from .emulation import FP32ACC_EMULATION, negative_controls
 from .judge import judge
 from .precision import precision_model
 from .probes import PROBE_DESCRIPTIONS, PROBES, probe_problem
+from .router_audit import section_routing
 from .selfcheck import run_selfcheck
 
 PASS, FAIL, INFO, SKIP = "pass", "FAIL", "info", "skip"
@@ -132,6 +134,7 @@ class Audit:
         if o.mp_validation:
             self.section_mpcheck()
         problems = self.section_bounds()
+        section_routing(self)
         if o.controls:
             self.section_controls()
         self.section_determinism(problems)

@@ -2,8 +2,9 @@
 
 * :mod:`fuzz.strategies` -- Hypothesis strategies for shapes, routing ties, skew and empty
   experts, values near the SwiGLU7 clamp, huge token counts; each takes strategies for its parts.
-* :mod:`fuzz.properties` -- the checks (differential, tie rule, equivariance, linearity, empty
-  experts, zero tokens, determinism, int64 offsets); every failure carries a one-line replay.
+* :mod:`fuzz.properties` -- the checks (differential, tie rule, every implementation's routing,
+  equivariance, linearity, empty experts, zero tokens, determinism, int64 offsets); every
+  failure carries a one-line replay.
 * :mod:`fuzz.fuzzers` -- the registry: one ``Property`` record per property (check, strategy,
   what it runs on, needs, settings), read by the tests, the campaign, ``list`` and ``replay``.
 * :mod:`fuzz.huge` -- running a huge-token case in a child process.

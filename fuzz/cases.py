@@ -27,7 +27,7 @@ from magi_moe.routing import RouteTable, Routes, build_route_table, route
 from magi_moe.weights import ExpertWeights
 
 __all__ = [
-    "DTYPES", "ROUTING_KINDS", "TIE_KINDS", "X_DISTRIBUTIONS",
+    "DTYPES", "ROUTER_KINDS", "ROUTING_KINDS", "TIE_KINDS", "X_DISTRIBUTIONS",
     "ExpertCase", "RoutingSpec", "TieCase", "ValueSpec",
     "build_problem", "build_router_inputs", "build_values", "case_from_dict", "case_to_dict",
     "config_from_dict", "config_to_dict", "drop_banks", "dumps", "loads",
@@ -58,6 +58,11 @@ TIE_KINDS = (
     "nan-bias",        # bias levels with some NaN (rank last) and -inf entries
     "underflow",       # logits down to -1024: sigmoid scores underflow to 0 (the L1 norm's eps)
     "inf-bias",        # bias levels with +inf and -inf entries: infinite selection scores tie
+)
+# The router fuzzers' kinds: the grid kinds above (exact fp32 logits) and two more.
+ROUTER_KINDS = TIE_KINDS + (
+    "continuous",      # continuous values, a bias that flips choices: ties only within rounding
+    "nan-x",           # grid values with NaN x in some (token, head) pairs: NaN logits rows
 )
 
 
@@ -147,7 +152,8 @@ class ExpertCase:
 
 @dataclass(frozen=True)
 class TieCase:
-    """Router inputs on an exact grid (see ``TIE_KINDS``); ``levels`` distinct gate/bias levels."""
+    """Router inputs of one of ``ROUTER_KINDS`` (those of ``TIE_KINDS`` on an exact grid);
+    ``levels`` distinct gate/bias levels."""
 
     config: MoEConfig
     num_tokens: int
@@ -157,8 +163,8 @@ class TieCase:
     use_bias: bool = True
 
     def __post_init__(self) -> None:
-        if self.kind not in TIE_KINDS:
-            raise ValueError(f"TieCase.kind must be one of {TIE_KINDS}, got {self.kind!r}")
+        if self.kind not in ROUTER_KINDS:
+            raise ValueError(f"TieCase.kind must be one of {ROUTER_KINDS}, got {self.kind!r}")
         if self.num_tokens < 0 or self.levels < 1:
             raise ValueError(f"TieCase.num_tokens must be >= 0 and .levels >= 1, got "
                              f"{self.num_tokens}, {self.levels}")
@@ -338,7 +344,8 @@ def build_problem(case: ExpertCase, device: str | torch.device = "cpu") -> Probl
 def build_router_inputs(case: TieCase, device: str | torch.device = "cpu"):
     """``(x [S, H*Dh], gate [H*E, Dh] fp32, bias [H*E] fp32 or None)`` with exact fp32 logits:
     x in {-1, -1/2, 0, 1/2, 1}, gate entries multiples of 1/4 (|.| <= 7/2), bias multiples of 1/8,
-    so every dot product over Dh <= 2^16 is exact whatever the summation order."""
+    so every dot product over Dh <= 2^16 is exact whatever the summation order. (Except the
+    ``continuous`` kind, whose near-ties lie within rounding, and NaN rows of ``nan-x``.)"""
     cfg, S, gen = case.config, case.num_tokens, _generator(case.seed)
     H, E, K, Dh, HE = cfg.num_heads, cfg.num_experts, cfg.top_k, cfg.head_dim, cfg.num_banks
     L = case.levels
@@ -394,5 +401,13 @@ def build_router_inputs(case: TieCase, device: str | torch.device = "cpu"):
         flags = torch.rand(HE, generator=gen)
         bias[flags < 0.25] = float("inf")
         bias[(flags >= 0.25) & (flags < 0.35)] = float("-inf")
+    if kind == "continuous":
+        x = torch.randn(S, H * Dh, generator=gen)
+        gate = torch.randn(HE, Dh, generator=gen) / Dh ** 0.5
+        bias = 0.3 * torch.randn(HE, generator=gen) if case.use_bias else None
+    if kind == "nan-x":
+        # every (token, head) whose flag is set sees NaN logits: the NaN rule picks 0..K-1
+        rows = torch.rand(S, H, generator=gen) < 0.3
+        x = x.view(S, H, Dh).masked_fill(rows[..., None], float("nan")).view(S, H * Dh)
     move = lambda t: None if t is None else t.to(device)  # noqa: E731
     return move(x.to(cfg.dtype)), move(gate), move(bias)

@@ -28,6 +28,7 @@ from magi_moe.implementation import CAPABILITIES
 
 from . import profiles
 from . import properties as P
+from .cases import ROUTER_KINDS
 from .hypothesis_internals import set_database_key, set_given_settings
 from .strategies import configs, empty_bank_sets, expert_cases, huge_cases, huge_configs, tie_cases, token_counts
 
@@ -96,8 +97,16 @@ def expert(*, min_tokens: int = 0, empty_banks: bool = False):
 
 
 def ties(target, budget: float):
-    """Router inputs with exact ties (whatever the router)."""
-    return tie_cases(budget=budget)
+    """Router inputs with exact ties, NaN rows and continuous values (whatever the router)."""
+    return tie_cases(budget=budget, kinds=ROUTER_KINDS)
+
+
+def router_inputs(target, budget: float):
+    """The same router inputs, inside what the target implementation declares."""
+    if target is None:
+        return ties(target, budget)
+    return tie_cases(configs=configs(budget=budget, dtypes=target.dtypes, shapes=target.impl.shapes),
+                     kinds=ROUTER_KINDS)
 
 
 def huge(target, budget: float):
@@ -186,6 +195,9 @@ class Property:
 PROPERTIES: dict[str, Property] = {p.name: p for p in (
     Property("differential", P.check_differential, cases=expert()),
     Property("tie_rule", P.check_tie_rule, cases=ties, on=ON_ROUTERS, examples=2.0,
+             clause="routing"),
+    # every implementation's own router (impl.route), judged like magi-moe's
+    Property("routing", P.check_routing, cases=router_inputs, params={"head": st.integers(0, 63)},
              clause="routing"),
     Property("token_permutation", P.check_token_permutation, cases=expert(min_tokens=1),
              params={"perm_seed": SEEDS}, examples=0.5, clause="locality"),

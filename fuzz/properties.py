@@ -20,11 +20,11 @@ import torch
 from hypothesis import currently_in_test_context, event, note, reject, target as hyp_target
 
 from magi_moe.audit.judge import InvalidProblem, judge
-from magi_moe.audit.precision import unit_roundoff
+from magi_moe.audit.router_judge import RouterVerdict, judge_router, judge_router_call
 from magi_moe.backends import Backend, get_backend
 from magi_moe.problems import Problem, run_poisoned
 from magi_moe.registry import Implementation, get_implementation
-from magi_moe.routing import Routes, build_route_table, router_logits, scores_from_logits
+from magi_moe.routing import Routes, build_route_table
 
 from .cases import (ExpertCase, HugeCase, TieCase, build_problem, build_router_inputs, cancelling_problem,
                     case_to_dict, drop_banks)
@@ -34,7 +34,7 @@ from .tolerance import CAMPAIGN_FAILURE_PROBABILITY, rounding_mismatch
 
 __all__ = [
     "RouterTarget", "Target", "check_deterministic", "check_differential", "check_empty_experts",
-    "check_head_locality", "check_huge_offsets", "check_linearity", "check_tie_rule",
+    "check_head_locality", "check_huge_offsets", "check_linearity", "check_routing", "check_tie_rule",
     "check_token_permutation", "check_zero_tokens", "load_router", "make_router_target",
     "make_target", "spec_for", "target_for",
 ]
@@ -397,26 +397,22 @@ def check_deterministic(target: Target, case: ExpertCase, *, runs: int = 3) -> d
         return {"runs": len(settings) + 1}
 
 
-def _brute_force_ranking(values: list[float], top_k: int) -> list[int]:
-    """The tie rule in plain Python: highest first, lower index first among equals, NaN last."""
-    def key(e):
-        v = values[e]
-        return (1, 0.0, e) if math.isnan(v) else (0, -v, e)
-    return sorted(range(len(values)), key=key)[:top_k]
-
-
-def _near_tie(a: float, b: float) -> bool:
-    """Closer than fp32 rounding of the router's arithmetic (a few ulps): a near-tie, reported,
-    not a failure (CONTRACT section 1)."""
-    if math.isnan(a) or math.isnan(b) or math.isinf(a) or math.isinf(b):
-        return False
-    return abs(a - b) <= 16 * unit_roundoff(torch.float32) * max(abs(a), abs(b), 2.0**-10)
+def _require_routes(verdict: RouterVerdict, record: dict) -> dict:
+    """The router judge's verdict (:mod:`audit.router_judge`) as a property: a violation names
+    the broken rules; near-ties are reported as an event."""
+    if verdict.near_ties:
+        event(f"{record['property']}: near-tie disagreements with float64 (reported, not failures)")
+    if not verdict.ok:
+        raise PropertyViolation(f"routes break {', '.join(verdict.failed)}: {verdict.text}", record,
+                                verdict.metrics)
+    return {"near_ties": verdict.near_ties}
 
 
 def check_tie_rule(router: RouterTarget, case: TieCase) -> dict:
-    """The router's tie rule (exact ties to the lower index, first; NaN last). The router is
-    checked against a brute-force ranking of the selection scores it must have used,
-    ``scores + bias`` in fp32 from ``magi_moe.routing``'s own functions."""
+    """magi-moe's routers judged against the float64 router: exact ties to the lower index,
+    first; NaN last; bias in the choice only; L1 normalisation with eps; route_scale
+    (:func:`audit.router_judge.judge_router`). A router that returns its own route table must
+    also match it."""
     if not isinstance(router, RouterTarget):
         raise TypeError(f"router must be a RouterTarget (make_router_target), got {type(router).__name__}")
     cfg = case.config
@@ -426,44 +422,26 @@ def check_tie_rule(router: RouterTarget, case: TieCase) -> dict:
         route_fn = load_router(router.spec)
         x, gate, bias = build_router_inputs(case, router.device)
         routes = route_fn(x, gate, bias, cfg)
-        H, E, K, S = cfg.num_heads, cfg.num_experts, cfg.top_k, case.num_tokens
-        if tuple(routes.expert_ids.shape) != (S, H, K):
-            raise PropertyViolation(f"expert_ids has shape {tuple(routes.expert_ids.shape)}, expected "
-                                    f"{(S, H, K)}", record)
-        scores = scores_from_logits(router_logits(x, gate, cfg, torch.float32), cfg.score_func)
-        selection = scores if bias is None else scores + bias.reshape(H, E).float()
-        sel, got = selection.cpu().tolist(), routes.expert_ids.cpu().tolist()
-        near_ties = exact_ties = 0
-        for s in range(S):
-            for h in range(H):
-                values, chosen = sel[s][h], got[s][h]
-                expected = _brute_force_ranking(values, K)
-                exact_ties += len(values) - len(set(v for v in values if not math.isnan(v)))
-                if chosen == expected:
-                    continue
-                j = next(i for i in range(K) if chosen[i] != expected[i])
-                a, b = chosen[j], expected[j]
-                if not (0 <= a < E) or len(set(chosen)) != K:
-                    raise PropertyViolation(f"token {s} head {h}: chose {chosen}, not {K} distinct "
-                                            f"experts in [0, {E})", record)
-                va, vb = values[a], values[b]
-                if va == vb or (math.isnan(va) and math.isnan(vb)):
-                    raise PropertyViolation(
-                        f"token {s} head {h}: place {j} went to expert {a} over expert {b} with the "
-                        f"same selection score {va!r}; ties must go to the lower index "
-                        f"(chose {chosen}, expected {expected})", record)
-                if _near_tie(va, vb):
-                    near_ties += 1
-                    continue
-                raise PropertyViolation(
-                    f"token {s} head {h}: place {j} went to expert {a} (score {va!r}) over expert "
-                    f"{b} (score {vb!r}): chose {chosen}, expected {expected}", record)
-        if near_ties:
-            event(f"tie_rule: {near_ties} near-tie disagreements (reported, not failures)")
-        _check_tie_probs(routes, scores, cfg, record)
+        metrics = _require_routes(judge_router(routes, x, gate, bias, cfg, subject=str(router)), record)
         if getattr(routes, "table", None) is not None:
             _check_own_table(routes, cfg, record)
-        return {"exact_ties": exact_ties, "near_ties": near_ties}
+        return metrics
+
+
+def check_routing(target: Target, case: TieCase, *, head: int) -> dict:
+    """The implementation's own router judged against the float64 router like the tie rule's,
+    plus head locality. ``impl.route`` is its declared ``router``, else magi-moe's; ``head``'s
+    routes must stay put when every other head's inputs are redrawn."""
+    cfg = case.config
+    record = _record("routing", target, case, head=head)
+    why = target.impl.supports(cfg)
+    if why:
+        return {"unsupported": why}
+    with in_flight(record):
+        x, gate, bias = build_router_inputs(case, target.device)
+        verdict = judge_router_call(target.impl.route, x, gate, bias, cfg, heads=(head,),
+                                    subject=f"{target.impl.name}.route")
+        return _require_routes(verdict, record)
 
 
 def _check_own_table(routes, cfg, record: dict) -> None:
@@ -472,24 +450,16 @@ def _check_own_table(routes, cfg, record: dict) -> None:
     field for field. Ties and NaN are where a device-built table can count a route twice or not
     at all while every choice is right (the fused router once counted a NaN key equal to the 'taken' sentinel)."""
     want = build_route_table(Routes(routes.expert_ids.long(), routes.probs), cfg)
-    difference = routes.table.first_difference(want)
+    # NaN weights (NaN rows of x) are right where both tables hold them; torch.equal never
+    # matches NaN, so both are read with NaN as -inf, a weight no router may return (the
+    # router judge has failed such a weight already)
+    def nan_as_minus_inf(table):
+        return dataclasses.replace(table, sorted_probs=torch.nan_to_num(
+            table.sorted_probs, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf")))
+    difference = nan_as_minus_inf(routes.table).first_difference(nan_as_minus_inf(want))
     if difference is not None:
         raise PropertyViolation(f"the router's own route table is not the table of its choices: "
                                 f"{difference}", record)
-
-
-def _check_tie_probs(routes: Routes, scores: torch.Tensor, cfg, record: dict) -> None:
-    """Probabilities: the unbiased scores of the chosen experts, L1-normalised, times route_scale."""
-    ids = routes.expert_ids.to(scores.device)
-    chosen = torch.gather(scores.double(), -1, ids)
-    if cfg.route_norm:
-        chosen = chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-12)
-    expected = chosen * cfg.route_scale
-    got = routes.probs.double().to(expected.device)
-    bad = (got - expected).abs() > 1e-5 * expected.abs().clamp_min(1e-6)
-    if bool(bad.any()):
-        raise PropertyViolation("routing probabilities are not the chosen experts' unbiased, "
-                                "normalised, scaled scores: " + _first_mismatch(bad, got, expected), record)
 
 
 def check_huge_offsets(target: Target, case: HugeCase, *, timeout: float = 600) -> dict:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from magi_moe.config import MoEConfig, SCORE_FUNCS, WIDTH_MULTIPLE
 from magi_moe.implementation import ANY_SHAPE, ShapeRule
 
-from .cases import (ROUTING_KINDS, TIE_KINDS, X_DISTRIBUTIONS, ExpertCase, HugeCase, RoutingSpec,
+from .cases import (ROUTER_KINDS, ROUTING_KINDS, TIE_KINDS, X_DISTRIBUTIONS, ExpertCase, HugeCase, RoutingSpec,
                     TieCase, ValueSpec, first_overflowing_token)
 
 __all__ = [
@@ -392,9 +392,10 @@ def tie_cases(*, budget: float = 1.0, configs: st.SearchStrategy[MoEConfig] | No
     """Router inputs with exact ties: quantised logits, duplicated gate rows, bias levels,
     all-equal scores, a tie at the k-th/(k+1)-th boundary, all-negative logits, NaN bias.
     ``configs`` (default: :func:`configs` with ``score_funcs``), ``tokens`` (given the config;
-    default: :func:`token_counts` from ``min_tokens``, 1), ``kinds`` (a strategy, or the
-    :data:`fuzz.cases.TIE_KINDS` to sample from)."""
-    kinds = _part(kinds, lambda v: _check_kinds(v, TIE_KINDS))
+    default: :func:`token_counts` from ``min_tokens``, 1), ``kinds`` (a strategy, or the kinds
+    to sample from: default the exact-grid :data:`fuzz.cases.TIE_KINDS`, any of
+    :data:`fuzz.cases.ROUTER_KINDS`)."""
+    kinds = _part(kinds, lambda v: _check_kinds(v, ROUTER_KINDS))
     if configs is not None:
         _refuse_both("configs", score_funcs=score_funcs)
         configs_ = _check_strategy(configs, "configs")

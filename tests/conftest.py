@@ -32,6 +32,7 @@ except ImportError:  # the fuzz package is optional for the core suite
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "clause(name): the contract clause a conformance test judges")
     if load_default_profile is not None:
         try:
             load_default_profile(config.getoption("--hypothesis-profile", default=None))

@@ -14,6 +14,15 @@
 * :data:`UNCACHED_LAYER` (correct): no cache and no cache protocol; it reads its parameters on
   every call.
 
+Outside *routers*, each declared as ``Implementation(..., router=...)`` with this module's
+expert sum, BROKEN on purpose (each passes every expert-level check: the routes are an input
+there); the router judge (:mod:`audit.router_judge`) must name the rule each breaks, in
+``magi-moe check``, the audit and the fuzzers:
+
+* :data:`ROUTER_FORGETS_L1`: the chosen scores times ``route_scale``, never L1-normalised.
+* :data:`ROUTER_TIES_TO_HIGHER_INDEX`: a scan keeping the last of equal selection scores.
+* :data:`ROUTER_BIAS_IN_WEIGHTS`: the weights taken from the biased selection scores.
+
 Both cached layers offer ``layer.pack_count`` and nothing else of the cache protocol (no
 invalidation, no promises). They compute the expert part in fp32 with one bf16 rounding of the
 SwiGLU7 output, on routes from :func:`magi_moe.routing.route`.
@@ -28,9 +37,11 @@ from torch import nn
 
 from magi_moe.config import MoEConfig
 from magi_moe.implementation import Implementation
-from magi_moe.routing import RouteTable, build_route_table, route
+from magi_moe.routing import (RouteTable, Routes, build_route_table, route, router_logits,
+                              scores_from_logits, select_experts)
 
-__all__ = ["CONTENT_CHECKED_LAYER", "UNCACHED_LAYER", "VERSION_KEYED_LAYER", "OutsideMoE"]
+__all__ = ["CONTENT_CHECKED_LAYER", "ROUTER_BIAS_IN_WEIGHTS", "ROUTER_FORGETS_L1",
+           "ROUTER_TIES_TO_HIGHER_INDEX", "UNCACHED_LAYER", "VERSION_KEYED_LAYER", "OutsideMoE"]
 
 EXPERTS = ("W_gate", "W_up", "W_down")
 KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
@@ -182,3 +193,57 @@ CONTENT_CHECKED_LAYER = _declare(
     "an outside layer whose packed copy is checked against the weights' contents")
 UNCACHED_LAYER = _declare(
     "outside-uncached", None, "an outside layer without a cache")
+
+
+# -- the routers -----------------------------------------------------------------------------------
+
+def _scores(x, gate, bias, config):
+    """fp32 scores and selection scores ``[S, H, E]``, as the contract computes them."""
+    scores = scores_from_logits(router_logits(x, gate, config), config.score_func)
+    H, E = config.num_heads, config.num_experts
+    return scores, scores if bias is None else scores + bias.reshape(H, E).float()
+
+
+def _forgets_l1(x, gate, bias, config) -> Routes:
+    scores, selection = _scores(x, gate, bias, config)
+    ids = select_experts(selection, config.top_k)
+    # BUG (on purpose): no division by max(sum, 1e-12) even when config.route_norm
+    return Routes(ids, torch.gather(scores, -1, ids) * config.route_scale)
+
+
+def _ties_to_higher_index(x, gate, bias, config) -> Routes:
+    scores, selection = _scores(x, gate, bias, config)
+    E = config.num_experts
+    key = torch.nan_to_num(selection.flip(-1), nan=float("-inf"))
+    # BUG (on purpose): a scan from the top index that keeps the last of equal scores
+    ids = (E - 1) - torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :config.top_k]
+    return Routes(ids, _weigh(scores, ids, config))
+
+
+def _weigh(scores, ids, config):
+    probs = torch.gather(scores, -1, ids)
+    if config.route_norm:
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+    return probs * config.route_scale
+
+
+def _bias_in_weights(x, gate, bias, config) -> Routes:
+    _, selection = _scores(x, gate, bias, config)
+    ids = select_experts(selection, config.top_k)
+    return Routes(ids, _weigh(selection, ids, config))  # BUG (on purpose): biased weights
+
+
+def _declare_router(name: str, router, description: str) -> Implementation:
+    return Implementation(name, _forward, ("cpu",), "bf16-plain", router=router,
+                          description=description)
+
+
+ROUTER_FORGETS_L1 = _declare_router(
+    "outside-router-forgets-l1", _forgets_l1,
+    "BROKEN on purpose: an outside router that never L1-normalises its weights")
+ROUTER_TIES_TO_HIGHER_INDEX = _declare_router(
+    "outside-router-ties-high", _ties_to_higher_index,
+    "BROKEN on purpose: an outside router whose ties go to the higher expert index")
+ROUTER_BIAS_IN_WEIGHTS = _declare_router(
+    "outside-router-bias-weights", _bias_in_weights,
+    "BROKEN on purpose: an outside router that weighs with the biased selection scores")

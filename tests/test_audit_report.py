@@ -43,7 +43,7 @@ def test_default_run_writes_the_report(tmp_path, capsys):
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["ok"] is True and data["meta"]["presets"] == ["tiny"]
     sections = {row["section"] for row in data["rows"]}
-    assert {"selfcheck", "bounds", "determinism", "cache", "discipline"} <= sections
+    assert {"selfcheck", "bounds", "routing", "determinism", "cache", "discipline"} <= sections
     bounds = [r for r in data["rows"] if r["section"] == "bounds" and r["status"] == "pass"]
     assert any(r["subject"].startswith("torch-bf16") for r in bounds)
     assert "## bounds" in (tmp_path / "report.md").read_text()
