@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from magi_moe.reference import expert_reference
 TINY = ["--device", "cpu", "--heads", "1", "--tokens", "32", "--experts", "8", "--top-k", "2",
         "--head-dim", "64", "--inter", "128", "--warmup", "0", "--iters", "2", "--no-graphs"]
 EXAMPLE = "tests.outside_impl_example:IMPL"
+ROOT = Path(__file__).resolve().parents[1]
 CALLS: dict[str, int] = {"forgets-probs": 0, "narrow": 0}
 
 
@@ -156,3 +161,39 @@ def test_bad_impl_is_refused_naming_the_option(capsys, spec, why):
     with pytest.raises(SystemExit):
         parse_args([*TINY, "--impl", spec])
     assert why in capsys.readouterr().err
+
+
+def _pytest(*args, cwd) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_XDIST_WORKER"}  # not a worker there
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # tiny runs: threads only contend
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                           str(ROOT / "tests" / "benchmarks" / "test_bench_impl.py"),
+                           "--backend", "cpu", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_pytest_benchmark_saves_and_compares_an_outside_implementation(tmp_path):
+    """The whole loop of docs/PLUGGING_IN.md on the CPU: autosave, then compare with the saved
+    run; a wrong implementation in the same run fails with the judge's text and is not saved."""
+    storage = f"--benchmark-storage={tmp_path / 'store'}"
+    first = _pytest("--impl", EXAMPLE, "--impl", "tests.test_bench_outside:FORGETS_PROBS",
+                    "--benchmark-autosave", storage, cwd=tmp_path)
+    assert first.returncode == 1, first.stdout + first.stderr  # the wrong one fails
+    assert "forgets-probs is WRONG on H=1,S=32, not timed" in first.stdout, first.stdout
+    saved = list((tmp_path / "store").rglob("*.json"))
+    assert len(saved) == 1, first.stdout
+    data = json.loads(saved[0].read_text())
+    names = sorted(b["name"] for b in data["benchmarks"])
+    assert names == ["test_impl_tiny_case[torch-einsum@cpu-kernel]",
+                     "test_impl_tiny_case[torch-einsum@cpu-layer]"]
+    assert {b["group"] for b in data["benchmarks"]} == {"H=1,S=32 kernel", "H=1,S=32 layer"}
+    info = data["machine_info"]
+    assert info["torch"] == torch.__version__ and "gpu" in info and "triton" in info
+    assert all(0 < b["extra_info"]["rel_l2"] < 1e-2 for b in data["benchmarks"])
+
+    second = _pytest("--impl", EXAMPLE, "--benchmark-compare", storage, cwd=tmp_path)
+    assert second.returncode == 0, second.stdout + second.stderr
+    run_id = saved[0].stem.split("_")[0]
+    assert f"test_impl_tiny_case[torch-einsum@cpu-kernel] ({run_id}" in second.stdout, second.stdout
+    assert "test_impl_tiny_case[torch-einsum@cpu-kernel] (NOW)" in second.stdout, second.stdout

@@ -49,6 +49,4 @@ def machine_info(device: torch.device | str | None = None) -> dict:
                     memory_gib=round(props.total_memory / 2**30, 1),
                     compute_capability=f"{props.major}.{props.minor}",
                     cuda=torch.version.cuda, driver=_driver_version())
-    else:
-        info["cpu"] = platform.processor() or platform.machine()
     return info
