@@ -197,3 +197,27 @@ def test_pytest_benchmark_saves_and_compares_an_outside_implementation(tmp_path)
     run_id = saved[0].stem.split("_")[0]
     assert f"test_impl_tiny_case[torch-einsum@cpu-kernel] ({run_id}" in second.stdout, second.stdout
     assert "test_impl_tiny_case[torch-einsum@cpu-kernel] (NOW)" in second.stdout, second.stdout
+
+
+@pytest.mark.slow
+def test_pytest_benchmark_skips_cases_outside_the_declaration_as_unsupported(tmp_path):
+    """Every case outside the rule is skipped as unsupported; a run in which that leaves nothing
+    timed says so and exits 5 (no green that timed nothing)."""
+    done = _pytest("--impl", "tests.test_bench_outside:NARROW", "--benchmark-autosave",
+                   f"--benchmark-storage={tmp_path / 'store'}", cwd=tmp_path)
+    assert done.returncode == 5, done.stdout + done.stderr
+    assert "2 x unsupported: narrow-topk: top_k must be <= 1, got 2" in done.stdout, done.stdout
+    assert not list((tmp_path / "store").rglob("*.json")) or all(
+        not json.loads(p.read_text())["benchmarks"] for p in (tmp_path / "store").rglob("*.json"))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_without_a_gpu_the_refusal_gives_the_cpu_command_for_the_impl(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--impl", EXAMPLE])
+    err = capsys.readouterr().err
+    assert "no CUDA GPU" in err
+    suggested = err.strip().splitlines()[-1].split()
+    assert suggested[:3] == ["python", "-m", "magi_moe.bench"] and suggested[-2:] == ["--impl", EXAMPLE]
+    args = parse_args(suggested[3:])  # the command it gives runs here
+    assert [p.name for p in args.paths][-2:] == ["torch-einsum", "torch-einsum-layer"]

@@ -224,6 +224,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         ap.error("--iters and --rounds must be >= 1, --warmup >= 0")
     why = cannot_run_here(args.device, args.paths)
+    if why and args.device is None and impl_paths and all(p.plain_pytorch for p in impl_paths):
+        why += ("\nor time the plain PyTorch --impl on the CPU with wall-clock timers, e.g.\n  "
+                + CPU_SMOKE.removeprefix("TRITON_INTERPRET=1 ")
+                + "".join(f" --impl {spec}" for spec in args.impl))
     if why:
         ap.error(why)
     args.device = args.device or "cuda"
