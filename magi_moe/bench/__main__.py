@@ -14,64 +14,93 @@ only then times them:
 * bytes and FLOPs with docs/ANCHORS.md's floors: memory = weights of the experts that received a
   route + x + y over 4281 GB/s; compute = routes * (2*Dh*I*2 + 2*I*Dh) over 793 TFLOP/s.
 
-Paths: ``native``, ``native-det`` (the native kernel, atomic / deterministic), ``fused`` (kernel
-level: routes precomputed, weights packed, workspace warm), ``fused-layer`` and ``native-layer``
-(``MagiMoE.forward``: routing included), ``routing`` (torch router + CSR sort) and
-``fused-routing``, ``torch-bf16`` (the plain per-expert loop; slow).
+Paths come from the implementations' declarations (:mod:`.paths`): ``NAME`` is an
+implementation at kernel level (its ``forward`` on precomputed routes, after its
+``prepare_weights``: ``fused`` packs its weights), ``NAME-layer`` its own layer, routing included.
+Built in: ``native``, ``native-det`` (the native kernel, atomic / deterministic), ``fused``,
+``torch-bf16`` (the plain per-expert loop; slow), each also as ``NAME-layer``; ``routing`` (torch
+router + CSR sort) and ``fused-routing``.
+
+``--impl NAME|package.module:attr`` (repeatable) adds an implementation of your own at both levels,
+timed beside ``fused`` and the plain PyTorch baseline (``torch-bf16``) on the same drawn problems. Every implementation path is judged first (:func:`magi_moe.audit.judge.judge`
+under its declared precision model, relative L2 against float64): a wrong one is reported WRONG
+with its error and not timed; a case outside its declared shapes is reported unsupported.
 
 ``--sweep`` times the fused kernels' tile candidates per case and writes the winners into
 ``magi_moe/kernels/tiles/fused.json`` through the function the loader reads (:mod:`.sweep`);
 ``--breakdown`` times each launch of the fused path's plan alone.
 
 ``--json PATH`` writes everything measured. With ``--device cpu`` (and ``TRITON_INTERPRET=1``
-for the kernel paths) it runs small cases with host timers, as a smoke test of the harness.
+for the Triton paths) it runs small cases with wall-clock timers, as the output says: a smoke
+test of the harness, or a first timing of a plain PyTorch implementation.
 """
 from __future__ import annotations
 import argparse
 import json
-import platform
 import sys
 
 import torch
 
+from ..registry import get_implementation
 from ..text_tables import format_table as text_table
 from .cases import ANCHOR_CASES, COPY_GBPS, DRAWS, MATMUL_TFLOPS, BenchCase, draw_problem
-from .paths import ALL_PATHS, DEFAULT_PATHS
+from .machine import machine_info
+from .paths import ALL_PATHS, COMPARED_PATHS, DEFAULT_PATHS, BenchPath, paths_of, resolve
 from .sweep import SWEPT_KERNELS, breakdown_case, run_sweep
-from .timing import run_case
+from .timing import run_case, timer_label
 
 
 def environment(device: torch.device) -> dict:
-    import triton
+    return machine_info(device)
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "triton": triton.__version__, "device": str(device)}
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, multiprocessors=props.multi_processor_count,
-                   memory_gib=round(props.total_memory / 2**30, 1))
-    return env
+
+def _row_names(r: dict) -> list[str]:
+    """Every row of a case in path order: each path, then its graph and compiled rows."""
+    names = list(r.get("levels") or r["timings"])
+    extra = [n for n in list(r["timings"]) + list(r["parity"]) if n not in names
+             and n != "reference_rms" and n.split(" ")[0] in names]
+    return [row for n in names for row in [n] + [e for e in extra if e.split(" ")[0] == n]]
+
+
+def _check_word(check: dict) -> str:
+    if "bitwise_equal_eager" in check:
+        return "bits = eager" if check["bitwise_equal_eager"] else "bits differ"
+    return check.get("status", "")
 
 
 def format_table(results: list[dict]) -> str:
     rows = []
     for r in results:
         fl = r["floors"]
-        for i, (name, st) in enumerate(r["timings"].items()):
-            err = r["parity"].get(name, {}).get("rel_l2")
+        for i, name in enumerate(_row_names(r)):
+            st = r["timings"].get(name)
+            check = r["parity"].get(name, {})
+            err = check.get("rel_l2")
             if err is None:  # a graph or compiled row: the eager path's error if its bits agree
-                same = r["parity"].get(name, {}).get("bitwise_equal_eager")
                 base = r["parity"].get(name.rsplit(" ", 1)[0], {}).get("rel_l2")
-                err = base if same else None
+                err = base if check.get("bitwise_equal_eager") else None
             rows.append([r["label"] if i == 0 else "",
                          (f"{fl['routed_banks']}/{fl['banks']}, {fl['busiest_over_mean']:.1f}x"
                           if i == 0 and "busiest_over_mean" in fl else ""),
                          f"{fl['memory_floor_ms']:.3f}/{fl['compute_floor_ms']:.3f}" if i == 0 else "",
-                         name, f"{st['median_ms']:.3f}", f"{st['p90_ms']:.3f}",
-                         f"{st['x_floor']:.2f}" if st.get("x_floor") else "-",
-                         f"{err:.2e}" if err is not None else "-"])
-    return text_table(["case", "routed banks, busiest/mean", "floor ms (mem/comp)", "path", "median ms",
-                       "p90 ms", "x floor", "rel L2"], rows, numeric_columns=(4, 5, 6, 7))
+                         name, r.get("levels", {}).get(name.split(" ")[0], ""),
+                         f"{st['median_ms']:.3f}" if st else "-", f"{st['p90_ms']:.3f}" if st else "-",
+                         f"{st['x_floor']:.2f}" if st and st.get("x_floor") else "-",
+                         f"{err:.2e}" if err is not None else "-", _check_word(check)])
+    return text_table(["case", "routed banks, busiest/mean", "floor ms (mem/comp)", "path", "level",
+                       "median ms", "p90 ms", "x floor", "rel L2", "check"], rows,
+                      numeric_columns=(5, 6, 7, 8))
+
+
+def not_timed_notes(result: dict) -> list[str]:
+    """One line per path of the case that was not timed, with why (WRONG: the judge's text)."""
+    notes = [f"  {result['label']} {name}: not timed: {why}"
+             for name, why in result["not_built"].items()]
+    for name, check in result["parity"].items():
+        if isinstance(check, dict) and check.get("status", "ok") != "ok":
+            why = check["why"].replace("\n", "\n      ")  # the judge's text: one line per criterion
+            notes.append(f"  {result['label']} {name}: {check['status']}, not timed: {why}")
+    return notes
 
 
 # The harness on the CPU: the Triton paths under the interpreter, at widths it finishes in seconds.
@@ -80,7 +109,7 @@ CPU_SMOKE = ("TRITON_INTERPRET=1 python -m magi_moe.bench --device cpu --heads 1
 TORCH_ONLY_PATHS = ("routing", "torch-bf16")
 
 
-def cannot_run_here(device: str | None, paths: tuple[str, ...]) -> str | None:
+def cannot_run_here(device: str | None, paths) -> str | None:
     """Why the benchmark cannot run as asked on this machine, or None: said before any problem
     is drawn (without it a CPU machine drew production-size problems for most of a minute and
     then failed inside Triton's driver lookup)."""
@@ -99,7 +128,8 @@ def cannot_run_here(device: str | None, paths: tuple[str, ...]) -> str | None:
         asked = "" if device is None else f"--device {device}: "
         return (f"{asked}{why}. The benchmark times GPU kernels: run it on a CUDA machine, or "
                 f"smoke-test the harness on the CPU under the Triton interpreter:\n  {CPU_SMOKE}")
-    triton_paths = [p for p in paths if p not in TORCH_ONLY_PATHS]
+    records = [p if isinstance(p, BenchPath) else resolve(p) for p in paths]
+    triton_paths = [p.name for p in records if not p.plain_pytorch]
     if triton_paths and not interpreter_enabled():
         return (f"--device {device} runs the Triton paths ({','.join(triton_paths)}) only under the "
                 f"interpreter: set TRITON_INTERPRET=1 before the command, e.g.\n  {CPU_SMOKE}\n"
@@ -124,8 +154,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, default=100, help="timed calls per path and round (default 100)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="rounds per case; the best round's median is reported (default 1)")
-    ap.add_argument("--paths", default=",".join(DEFAULT_PATHS),
-                    help=f"comma-separated, among {','.join(ALL_PATHS)} (default {','.join(DEFAULT_PATHS)})")
+    ap.add_argument("--paths", default=None,
+                    help=f"comma-separated, among {','.join(ALL_PATHS)}, or NAME / NAME-layer of an "
+                         f"--impl (default {','.join(DEFAULT_PATHS)}; with --impl: "
+                         f"{','.join(COMPARED_PATHS)}, those that can run here)")
+    ap.add_argument("--impl", action="append", default=[], metavar="NAME|package.module:attr",
+                    help="an implementation to time beside the built-in paths, at kernel level "
+                         "(NAME) and layer level (NAME-layer); repeatable")
     ap.add_argument("--flush-mib", type=int, default=512,
                     help="MiB zeroed before every timed call to flush the L2 (>= 256; default 512)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the drawn problems (default 0)")
@@ -161,18 +196,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     if "down" in args.sweep_kernels and "gate_up" not in args.sweep_kernels:
         ap.error("--sweep-kernels: down reads the activations gate_up writes; add gate_up")
     args.sweep_kernels = tuple(dict.fromkeys(args.sweep_kernels + ("sum",)))
-    args.paths = tuple(p for p in args.paths.split(",") if p)
-    bad = [p for p in args.paths if p not in ALL_PATHS]
-    if bad:
-        ap.error(f"--paths must be among {','.join(ALL_PATHS)}, got {','.join(bad)}")
+    impl_paths = []
+    for spec in args.impl:
+        try:
+            impl = get_implementation(spec)
+        except (ValueError, TypeError) as exc:
+            ap.error(f"--impl: {exc}")
+        if impl.is_oracle:
+            ap.error(f"--impl {spec}: the float64 oracle is what every path is checked against, "
+                     f"not a path to time")
+        impl_paths += [p for p in paths_of(impl) if p not in impl_paths]
+    compared = args.paths is None and bool(impl_paths)  # the default comparators of an --impl
+    names = COMPARED_PATHS if compared else DEFAULT_PATHS if args.paths is None else args.paths.split(",")
+    try:
+        records = [resolve(n) for n in names if n]
+    except ValueError as exc:
+        ap.error(f"--paths: {exc}")
+    args.dropped = {}
+    if compared and args.device is not None and cannot_run_here(args.device, ()) is None:
+        device = torch.device(args.device)  # comparators that cannot run here are left out, said
+        args.dropped = {p.name: p.cannot_run_on(device) for p in records if p.cannot_run_on(device)}
+        records = [p for p in records if p.name not in args.dropped]
+    args.paths = tuple(dict.fromkeys(records + impl_paths))
     if args.flush_mib < 256:
         ap.error("--flush-mib must be at least 256 (the flush must exceed the L2 several times)")
     if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
         ap.error("--iters and --rounds must be >= 1, --warmup >= 0")
     why = cannot_run_here(args.device, args.paths)
+    if why and args.device is None and impl_paths and all(p.plain_pytorch for p in impl_paths):
+        why += ("\nor time the plain PyTorch --impl on the CPU with wall-clock timers, e.g.\n  "
+                + CPU_SMOKE.removeprefix("TRITON_INTERPRET=1 ")
+                + "".join(f" --impl {spec}" for spec in args.impl))
     if why:
         ap.error(why)
     args.device = args.device or "cuda"
+    for path in impl_paths:
+        why = path.cannot_run_on(torch.device(args.device))
+        if why:
+            ap.error(f"--impl {path.impl.name} cannot run on {args.device}: {why}")
     return args
 
 
@@ -182,7 +243,13 @@ def main(argv=None) -> int:
     pairs = ANCHOR_CASES if args.anchors else [(h, s) for h in args.heads for s in args.tokens]
     cases = [BenchCase(h, s, args.experts, args.top_k, args.head_dim, args.inter, args.seed, draw)
              for draw in args.draws for h, s in pairs]
-    report: dict = {"environment": environment(device), "args": {k: v for k, v in vars(args).items()},
+    print(f"timer: {timer_label(device, args.flush_mib)}; floors: docs/ANCHORS.md's, the H200's",
+          flush=True)
+    for name, why in args.dropped.items():
+        print(f"  {name}: not run here: {why}", flush=True)
+    report: dict = {"environment": environment(device),
+                    "args": {k: [p.name for p in v] if k == "paths" else v
+                             for k, v in vars(args).items()},
                     "ceilings": {"copy_gbps": COPY_GBPS, "matmul_tflops": MATMUL_TFLOPS}}
     if args.sweep:
         report["sweep"] = run_sweep(cases, device=device, warmup=3, iters=max(5, args.iters // 5),
@@ -204,14 +271,14 @@ def main(argv=None) -> int:
         results.append(run_case(case, args.paths, device=device, warmup=args.warmup,
                                 iters=args.iters, rounds=args.rounds, flush_mib=args.flush_mib,
                                 graphs=args.graphs))
-        for name, why in results[-1]["not_built"].items():
-            print(f"  {case.label} {name}: not timed: {why}", flush=True)
         print(format_table(results[-1:]), flush=True)
+        for line in not_timed_notes(results[-1]):
+            print(line, flush=True)
     report["results"] = results
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1, default=str)
-    if results:
+    if len(results) > 1:
         print(format_table(results))
     return 0
 

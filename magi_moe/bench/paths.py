@@ -1,22 +1,75 @@
-"""What the benchmark times: one zero-argument callable per path (an implementation at kernel
-level, an implementation's own layer, a router), and each path's error against float64."""
+"""What the benchmark times: one record per path (:class:`BenchPath`), built from an
+implementation's declaration, so magi-moe's own paths and an outside team's are the same kind of
+thing; the zero-argument callable each path times; and each path's check before any timing.
+
+An implementation ``NAME`` (a registered name or ``package.module:attr``) gives two paths:
+
+* ``NAME``, kernel level: its ``forward`` on precomputed routes, on weights prepared once by its
+  ``prepare_weights`` (packed, for ``fused``), into a pre-allocated output;
+* ``NAME-layer``, layer level: its own layer (:meth:`Implementation.layer`), routing included.
+
+Two routers are timed by name as well: ``routing`` (torch router + CSR sort) and
+``fused-routing`` (the fused routing kernels)."""
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Literal
 
 import torch
 
 from ..implementation import Implementation
+from ..impls import BASELINE, BUILTINS
 from ..problems import Problem, relative_l2
-from ..reference import expert_reference
 from ..registry import get_implementation
 from ..routing import build_route_table, route
 
-EXPERT_PATHS = ("native", "native-det", "fused", "torch-bf16")
-LAYER_PATHS = ("fused-layer", "native-layer")
-ROUTING_PATHS = ("routing", "fused-routing")
-ALL_PATHS = EXPERT_PATHS + LAYER_PATHS + ROUTING_PATHS
-DEFAULT_PATHS = ("native", "native-det", "fused", "fused-layer")
+Level = Literal["kernel", "layer", "routing"]
+LAYER_SUFFIX = "-layer"
+
+
+def _torch_routing(problem: Problem) -> Callable[[], torch.Tensor]:
+    p = problem
+    return lambda: build_route_table(route(p.x, p.gate, p.bias, p.config), p.config).offsets
+
+
+def _fused_routing(problem: Problem) -> Callable[[], torch.Tensor]:
+    from ..kernels.fused_routing import fused_route
+
+    p = problem
+    return lambda: fused_route(p.x, p.gate, p.bias, p.config, block_m=64).table.offsets
+
+
+# Routers timed alone: name -> (builder, runs plain PyTorch)
+ROUTERS = {"routing": (_torch_routing, True), "fused-routing": (_fused_routing, False)}
+ROUTING_PATHS = tuple(ROUTERS)
+
+
+class KernelCall:
+    """``impl.forward`` on precomputed routes and prepared weights into ``out``; ``out`` is kept
+    so that the check can poison it first (an element left unwritten shows as NaN)."""
+
+    def __init__(self, impl: Implementation, problem: Problem):
+        p = problem
+        self.impl, self.problem = impl, p
+        self.weights = impl.prepare_weights(p.weights) if impl.prepare_weights else p.weights
+        self.out = torch.empty(p.x.shape, dtype=impl.output_dtype(p.x.dtype), device=p.x.device)
+
+    def __call__(self) -> torch.Tensor:
+        p = self.problem
+        return self.impl(p.x, p.table, self.weights, p.config, out=self.out)
+
+
+class LayerCall:
+    """``layer(x)`` as a path, without autograd (inference); keeps ``layer`` reachable for the
+    compiled rows."""
+
+    def __init__(self, layer: torch.nn.Module, x: torch.Tensor):
+        self.layer, self.x = layer, x
+
+    def __call__(self) -> torch.Tensor:
+        with torch.no_grad():
+            return self.layer(self.x)
 
 
 def _layer(problem: Problem, impl: Implementation):
@@ -28,81 +81,162 @@ def _layer(problem: Problem, impl: Implementation):
     return impl.layer(problem.config, {k: v.clone() for k, v in sd.items()}, problem.x.device)
 
 
-def _expert_path(problem: Problem, impl: Implementation, out: torch.Tensor) -> Callable[[], torch.Tensor]:
-    """Kernel level: routes precomputed, weights prepared once as the implementation declares
-    (packed for ``fused``), the output pre-allocated."""
-    p = problem
-    weights = impl.prepare_weights(p.weights) if impl.prepare_weights else p.weights
-    out = out if impl.output_dtype(p.x.dtype) == out.dtype else torch.empty_like(
-        out, dtype=impl.output_dtype(p.x.dtype))
-    return lambda: impl(p.x, p.table, weights, p.config, out=out)
+@dataclass(frozen=True)
+class BenchPath:
+    """One timed path: an implementation at kernel or layer level, or a router (``impl`` None)."""
+
+    name: str
+    level: Level
+    impl: Implementation | None = None
+
+    @property
+    def plain_pytorch(self) -> bool:
+        """Runs without Triton kernels (so on the CPU without the interpreter)."""
+        if self.impl is None:
+            return ROUTERS[self.name][1]
+        return self.impl.plain_pytorch
+
+    def cannot_run_on(self, device: torch.device) -> str | None:
+        """Why this path cannot run on ``device``, or None (the implementation's own answer)."""
+        if self.impl is None:
+            if self.plain_pytorch or device.type == "cuda":
+                return None
+            from ..backends import BACKENDS
+            return BACKENDS["interpret"].skip_reason()
+        return self.impl.skip_reason(device)
+
+    def unsupported(self, problem: Problem) -> str | None:
+        """Why the problem lies outside the implementation's declaration, or None."""
+        if self.impl is None:
+            return None
+        return self.impl.supports(problem.config, problem.x.dtype)
+
+    def build(self, problem: Problem) -> Callable[[], torch.Tensor]:
+        """The zero-argument callable, with every piece of state (output, prepared weights,
+        layer) built here, so that the timed call does only the path's own work."""
+        if self.impl is None:
+            return ROUTERS[self.name][0](problem)
+        if self.level == "kernel":
+            return KernelCall(self.impl, problem)
+        return LayerCall(_layer(problem, self.impl), problem.x)
+
+    def judged_problem(self, problem: Problem) -> Problem:
+        """The problem on the routes this path computes: the drawn table at kernel level; at
+        layer level the routes of the implementation's own router (its declared ``router``, else
+        magi-moe's torch router), which its layer takes."""
+        if self.level != "layer" or self.impl is None or self.impl.router is None:
+            return problem
+        routes = self.impl.route(problem.x, problem.gate, problem.bias, problem.config)
+        return dataclasses.replace(problem, routes=routes,
+                                   table=build_route_table(routes, problem.config))
 
 
-class _LayerCall:
-    """``layer(x)`` as a path; keeps ``layer`` reachable for the compiled rows."""
-
-    def __init__(self, layer: torch.nn.Module, x: torch.Tensor):
-        self.layer, self.x = layer, x
-
-    def __call__(self) -> torch.Tensor:
-        return self.layer(self.x)
+def paths_of(impl: Implementation) -> tuple[BenchPath, BenchPath]:
+    """An implementation's two paths: kernel level (``NAME``) and layer level (``NAME-layer``)."""
+    return BenchPath(impl.name, "kernel", impl), BenchPath(impl.name + LAYER_SUFFIX, "layer", impl)
 
 
-def make_paths(problem: Problem, names: tuple[str, ...]) -> dict[str, Callable[[], torch.Tensor]]:
-    """One zero-argument callable per path, all state (outputs, packed weights, layers) built
-    here so that the timed call does only the path's own work. An expert path is named by its
-    implementation; ``NAME-layer`` is that implementation's own layer (routing included)."""
-    from ..kernels.fused_routing import fused_route
-
-    p, cfg = problem, problem.config
-    x = p.x
-    out = torch.empty_like(x)
-    fns: dict[str, Callable[[], torch.Tensor]] = {}
-    for name in names:
-        if name in EXPERT_PATHS:
-            fns[name] = _expert_path(p, get_implementation(name), out)
-        elif name in LAYER_PATHS:
-            layer = _layer(p, get_implementation(name.removesuffix("-layer")))
-            fns[name] = _LayerCall(layer, x)
-        elif name == "routing":
-            fns[name] = lambda: build_route_table(route(x, p.gate, p.bias, cfg), cfg).offsets
-        elif name == "fused-routing":
-            fns[name] = lambda: fused_route(x, p.gate, p.bias, cfg, block_m=64).table.offsets
-        else:
-            raise ValueError(f"paths must be among {ALL_PATHS}, got {name!r}")
-    return fns
+# magi-moe's own paths: every built-in implementation but the float64 oracle, at both levels
+BUILTIN_PATHS: dict[str, BenchPath] = {
+    **{p.name: p for impl in BUILTINS if not impl.is_oracle for p in paths_of(impl)},
+    **{name: BenchPath(name, "routing") for name in ROUTERS}}
+ALL_PATHS = tuple(BUILTIN_PATHS)
+DEFAULT_PATHS = ("native", "native-det", "fused", "fused-layer")
+# Beside an outside implementation (--impl): the fused path at both levels and the plain PyTorch
+# baseline at both levels
+COMPARED_PATHS = ("fused", "fused-layer", BASELINE.name, BASELINE.name + LAYER_SUFFIX)
 
 
-def parity(problem: Problem, fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, dict]:
-    """Relative L2 error of every expert/layer path against float64 on the routes it used: the
-    problem's table for kernel-level paths and the torch-routed layer, the fused router's own
-    table for ``fused-layer`` (whose route differences from the torch router are counted, with
-    the largest float64 selection-score gap among them: a near-tie is a gap at fp32 rounding)."""
-    from ..kernels.fused_routing import fused_route
+def resolve(name: str) -> BenchPath:
+    """The path called ``name``: a router, ``IMPL-layer`` or ``IMPL`` for a registered
+    implementation (``IMPL`` may be ``package.module:attr``); ValueError otherwise."""
+    if name in BUILTIN_PATHS:
+        return BUILTIN_PATHS[name]
+    if name.endswith(LAYER_SUFFIX):
+        try:
+            return paths_of(get_implementation(name.removesuffix(LAYER_SUFFIX)))[1]
+        except ValueError:
+            pass
+    try:
+        impl = get_implementation(name)
+    except (ValueError, TypeError):
+        raise ValueError(f"paths must be among {','.join(ALL_PATHS)}, IMPL or IMPL-layer for a "
+                         f"registered or --impl implementation, got {name!r}") from None
+    if impl.is_oracle:
+        raise ValueError(f"path {name!r} is the float64 oracle, the reference every path is "
+                         f"checked against, not a path to time")
+    return paths_of(impl)[0]
+
+
+def make_paths(problem: Problem, names) -> dict[str, Callable[[], torch.Tensor]]:
+    """One zero-argument callable per path (names or :class:`BenchPath` records)."""
+    records = [n if isinstance(n, BenchPath) else resolve(n) for n in names]
+    return {r.name: r.build(problem) for r in records}
+
+
+def check_path(path: BenchPath, problem: Problem, fn: Callable[[], torch.Tensor],
+               baseline: torch.Tensor | None = None) -> dict:
+    """Judge one call of ``fn`` before any timing: :func:`magi_moe.audit.judge.judge` under the
+    implementation's declared precision model on the routes the path computes, with the relative
+    L2 and largest error against float64. ``status`` is ``ok`` or ``WRONG`` (with ``why``); for
+    layer paths whose router picks other experts than magi-moe's torch router, the mismatched
+    (token, head) pairs are counted (a near-tie differs at fp32 rounding)."""
+    from ..audit.bounds import problem_bounds
+    from ..audit.judge import judge
+
+    impl = path.impl
+    judged = path.judged_problem(problem)
+    if isinstance(fn, KernelCall):  # poisoned: an element the implementation skips shows as NaN
+        fn.out.fill_(float("nan"))
+    out = fn().detach().clone()
+    bounds = problem_bounds(judged, impl.precision_for(judged.config))
+    verdict = judge(out, judged, impl, bounds=bounds,
+                    baseline=baseline if judged is problem else None)
+    ref = bounds.reference
+    entry: dict = {"level": path.level, "status": "ok" if verdict.ok else "WRONG",
+                   "criterion": verdict.criterion, "rel_l2": relative_l2(out, ref),
+                   "max_abs": float((out.double() - ref).abs().max()) if out.numel() else 0.0,
+                   "nan": bool(torch.isnan(out).any())}
+    if not verdict.ok:
+        entry["why"] = verdict.text
+    if judged is not problem:
+        entry.update(_route_mismatches(judged, problem))
+    return entry
+
+
+def _route_mismatches(judged: Problem, problem: Problem) -> dict:
+    """Pairs whose experts differ from the torch router's, with the largest float64 selection
+    score gap among them."""
     from ..routing import router_logits, scores_from_logits
 
-    p, cfg = problem, problem.config
-    ref = expert_reference(p.x, p.table, p.weights, cfg, precision="float64")
-    report: dict[str, dict] = {"reference_rms": float(ref.pow(2).mean().sqrt())}
-    for name, fn in fns.items():
-        if name in ROUTING_PATHS:
+    cfg = problem.config
+    ids, torch_ids = judged.routes.expert_ids.long(), problem.routes.expert_ids.long()
+    differ = (ids != torch_ids).any(-1)
+    entry = {"route_mismatches": int(differ.sum())}
+    if entry["route_mismatches"]:
+        sel = scores_from_logits(router_logits(problem.x, problem.gate, cfg, torch.float64),
+                                 cfg.score_func) + problem.bias.view(cfg.num_heads, -1).double()
+        gap = torch.gather(sel, -1, ids).sum(-1) - torch.gather(sel, -1, torch_ids).sum(-1)
+        entry["max_mismatch_gap"] = float(gap[differ].abs().max())
+    return entry
+
+
+def check_paths(problem: Problem, paths: list[BenchPath],
+                fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, dict]:
+    """Every implementation path judged on ``problem`` (routers are not judged); a path whose
+    check raises is reported as ``error`` with the exception. The plain PyTorch baseline's
+    output, which the judge compares with, is computed once per problem."""
+    report: dict[str, dict] = {}
+    baseline = None
+    for path in paths:
+        if path.impl is None:
             continue
-        out = fn().clone()
-        want = ref
-        entry: dict = {}
-        if name == "fused-layer":
-            routes = fused_route(p.x, p.gate, p.bias, cfg)
-            want = expert_reference(p.x, routes.table, p.weights, cfg, precision="float64")
-            ids, torch_ids = routes.expert_ids.long(), p.routes.expert_ids
-            differ = (ids != torch_ids).any(-1)
-            entry["route_mismatches"] = int(differ.sum())
-            if entry["route_mismatches"]:
-                sel = scores_from_logits(router_logits(p.x, p.gate, cfg, torch.float64),
-                                         cfg.score_func) + p.bias.view(cfg.num_heads, -1).double()
-                picked = torch.gather(sel, -1, ids).sum(-1)
-                torch_picked = torch.gather(sel, -1, torch_ids).sum(-1)
-                entry["max_mismatch_gap"] = float((picked - torch_picked)[differ].abs().max())
-        entry.update(rel_l2=relative_l2(out, want), max_abs=float((out.double() - want).abs().max()),
-                     nan=bool(torch.isnan(out).any()))
-        report[name] = entry
+        if baseline is None:
+            p = problem
+            baseline = BASELINE(p.x, p.table, p.weights, p.config)
+        try:
+            report[path.name] = check_path(path, problem, fns[path.name], baseline)
+        except Exception as exc:  # noqa: BLE001 -- reported in the table, never timed
+            report[path.name] = {"level": path.level, "status": "error",
+                                 "why": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return report

@@ -23,7 +23,7 @@ import torch
 from ..cuda_graphs import capture
 from ..problems import same_bits
 from .cases import BenchCase, draw_problem, floors
-from .paths import ROUTING_PATHS, make_paths, parity
+from .paths import BenchPath, check_paths, resolve
 
 def time_paths(fns: dict[str, Callable[[], object]], *, warmup: int, iters: int,
                flush_mib: int, device: torch.device) -> dict[str, list[float]]:
@@ -116,12 +116,37 @@ def summarize(samples: list[float]) -> dict:
             "mean_ms": statistics.fmean(ordered), "n": len(ordered)}
 
 
-def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, warmup: int,
-             iters: int, rounds: int, flush_mib: int, graphs: bool = False) -> dict:
+def timer_label(device: torch.device, flush_mib: int) -> str:
+    """How :func:`time_paths` times on ``device``, as the output says it."""
+    if device.type == "cuda":
+        return f"CUDA events, L2 flushed ({flush_mib} MiB zeroed) before every call"
+    return ("wall clock (time.perf_counter) on the CPU, no L2 flush: for trying the loop, "
+            "not comparable with GPU figures")
+
+
+def run_case(case: BenchCase, paths, *, device: torch.device, warmup: int, iters: int,
+             rounds: int, flush_mib: int, graphs: bool = False) -> dict:
+    """Draw ``case``, check every path (names or :class:`BenchPath` records) against float64,
+    then time those that are right. A path outside its implementation's declared shapes is
+    ``unsupported``, a wrong one ``WRONG``, one whose check raised ``error``: reported in
+    ``checks``, never timed."""
+    records = [p if isinstance(p, BenchPath) else resolve(p) for p in paths]
     problem = draw_problem(case, device)
     fl = floors(problem)
-    fns = make_paths(problem, paths)
-    checks = parity(problem, fns)
+    checks: dict[str, dict] = {}
+    fns = {}
+    for path in records:
+        why = path.unsupported(problem)
+        if why:
+            checks[path.name] = {"level": path.level, "status": "unsupported", "why": why}
+            continue
+        try:
+            fns[path.name] = path.build(problem)
+        except Exception as exc:  # noqa: BLE001 -- a path that cannot be built is reported
+            checks[path.name] = {"level": path.level, "status": "error",
+                                 "why": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    checks.update(check_paths(problem, [r for r in records if r.name in fns], fns))
+    fns = {n: f for n, f in fns.items() if checks.get(n, {}).get("status", "ok") == "ok"}
     not_built: dict[str, str] = {}
     if graphs and device.type == "cuda":
         layers = {n: getattr(f, "layer") for n, f in fns.items() if hasattr(f, "layer")}
@@ -132,18 +157,21 @@ def run_case(case: BenchCase, paths: tuple[str, ...], *, device: torch.device, w
                 checks[name] = {"bitwise_equal_eager": same}
         fns = {**fns, **made}
     best: dict[str, dict] = {}
-    for _ in range(rounds):
+    for _ in range(rounds if fns else 0):
         times = time_paths(fns, warmup=warmup, iters=iters, flush_mib=flush_mib, device=device)
         for name, samples in times.items():
             stats = summarize(samples)
             if name not in best or stats["median_ms"] < best[name]["median_ms"]:
                 best[name] = stats
+    levels = {r.name: r.level for r in records}
+    on_gpu = device.type == "cuda"  # the floors are the H200's: no ratio to a CPU time
     for name, stats in best.items():
-        stats["x_floor"] = stats["median_ms"] / fl["floor_ms"] if fl["floor_ms"] else None
-        if name not in ROUTING_PATHS:
+        stats["x_floor"] = stats["median_ms"] / fl["floor_ms"] if fl["floor_ms"] and on_gpu else None
+        if levels.get(name.split(" ")[0]) != "routing":
             stats["tflops"] = fl["flops"] / (stats["median_ms"] * 1e-3) / 1e12
     return {"case": asdict(case), "label": case.label, "floors": fl, "parity": checks,
-            "timings": best, "not_built": not_built}
+            "timings": best, "not_built": not_built, "levels": levels,
+            "timer": timer_label(device, flush_mib)}
 
 
 def time_one(fn: Callable[[], object], *, warmup: int, iters: int, flush_mib: int,

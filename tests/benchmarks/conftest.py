@@ -5,15 +5,16 @@ Save and compare across commits (the ``bench`` tox environment does this)::
     pytest tests/benchmarks --benchmark-autosave --benchmark-compare \
         --benchmark-compare-fail=median:10%
 
-The machine info saved with every run carries the GPU's name (and torch/Triton versions and
-whether the Triton interpreter ran), so runs from different machines are not compared blindly.
+The machine info saved with every run carries the GPU's name, driver and CUDA version (and
+torch/Triton versions and whether the Triton interpreter ran), so runs from different machines
+are not compared blindly. An outside implementation's runs: ``pytest --impl mypkg:IMPL
+tests/benchmarks -k impl --benchmark-autosave`` (test_bench_impl.py).
 """
 from __future__ import annotations
 
 import os
 
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
@@ -26,9 +27,8 @@ def _not_under_xdist(request):
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    import triton
+    """The GPU (name, driver, CUDA, compute capability), torch and Triton versions and the
+    interpreter flag, as ``python -m magi_moe.bench`` records them (:mod:`magi_moe.bench.machine`)."""
+    from magi_moe.bench.machine import machine_info as magi_moe_machine
 
-    machine_info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    machine_info["torch"] = torch.__version__
-    machine_info["triton"] = triton.__version__
-    machine_info["triton_interpret"] = os.environ.get("TRITON_INTERPRET", "0")
+    machine_info.update(magi_moe_machine())
