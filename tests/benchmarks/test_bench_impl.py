@@ -26,7 +26,7 @@ from magi_moe.bench.paths import check_path, paths_of
 from magi_moe.bench.timing import timer_label
 from magi_moe.implementation import UnsupportedShape
 
-pytestmark = [pytest.mark.benchmark, pytest.mark.kernels_only]
+pytestmark = [pytest.mark.benchmark, pytest.mark.kernels_only, pytest.mark.clause("speed")]
 
 FLUSH_MIB = 512
 # The CPU case: small enough for the Triton interpreter, inside the narrow example's rule
