@@ -49,8 +49,12 @@ def _(x, gate, bias, w_gate, w_up, w_down, num_heads, head_dim, num_experts, top
     return x.new_empty(x.shape)  # the real op returns a dense [S, H*Dh] tensor of x.dtype
 
 
-def config_args(config: MoEConfig) -> tuple:
-    """The operator's trailing arguments for ``config`` (its dtype is ``x``'s)."""
-    return (config.num_heads, config.head_dim, config.num_experts, config.top_k,
-            config.intermediate_size, config.score_func, config.route_norm,
-            float(config.route_scale))
+def traced_fused_layer(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+                       weights: ExpertWeights, config: MoEConfig) -> torch.Tensor:
+    """The operator called as :func:`~.fused_layer.fused_layer_forward` is: no graph break, no
+    mutated input, so ``mode="reduce-overhead"`` captures the whole layer as one CUDA graph.
+    Detached, as the eager path runs under ``no_grad``: the operator has no backward."""
+    return fused_layer_op(x.detach(), gate.detach(), None if bias is None else bias.detach(),
+                          *(w.detach() for w in weights), config.num_heads, config.head_dim,
+                          config.num_experts, config.top_k, config.intermediate_size,
+                          config.score_func, config.route_norm, float(config.route_scale))
