@@ -36,8 +36,8 @@ def _fused(x, table, weights, config, *, out):
 
 
 def _fused_layer(x, gate, bias, weights, config):
-    from .kernels.fused_layer import fused_layer_forward
-    return fused_layer_forward(x, gate, bias, weights, config)
+    from .kernels.fused_op import layer_forward
+    return layer_forward(x, gate, bias, weights, config)
 
 
 def _fused_router(x, gate, bias, config):

@@ -1,8 +1,4 @@
-"""The whole layer on the fused path: the fused router, then the fused expert kernels.
-
-:func:`fused_layer_forward` is the fused implementation's ``layer_forward``: plain tensors and
-the config in, no module. ``MagiMoE`` keeps its packed-weight cache current and hands the
-parameters in; any other module can call it the same way."""
+"""The whole layer on the fused path: the fused router, then the fused expert kernels."""
 from __future__ import annotations
 
 import torch
@@ -19,19 +15,7 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
                         workspace: FusedWorkspace | None = None) -> torch.Tensor:
     """:func:`~magi_moe.kernels.fused_routing.fused_route` (which also builds the block
     schedule) then :func:`~magi_moe.kernels.fused.fused_forward`. Seven launches, no host
-    synchronisation, no allocation once warm except ``out`` when not given.
-
-    Inside ``torch.compile`` tracing the same computation is one opaque operator
-    (:mod:`.fused_op`) on the tensors as given; ``out`` and ``workspace`` are eager-only."""
-    if torch.compiler.is_compiling():
-        from .fused_op import traced_fused_layer
-
-        return traced_fused_layer(x, gate, bias, weights, config)
-    with torch.no_grad():  # the kernels have no backward
-        return _launch_layer(x, gate, bias, weights, config, out, workspace)
-
-
-def _launch_layer(x, gate, bias, weights, config, out, workspace) -> torch.Tensor:
+    synchronisation, no allocation once warm except ``out`` when not given."""
     workspace = workspace or shared_workspace(x.device)
     tiles = choose_fused_tiles(config, x.shape[0] * config.num_heads * config.top_k, x.device)
     routes = fused_route(x, gate, bias, config, block_m=tiles.block_m, workspace=workspace)
