@@ -4,9 +4,9 @@
    to the input dtype) -- there is no compiled kernel to run.
 2. Dtypes the fused path does not declare (it takes bf16 and fp16): ``native`` (``native-det``
    in deterministic mode) for fp32; ``reference`` for float64.
-3. Inside ``torch.compile`` tracing: ``native`` / ``native-det``. The fused layer path keeps
-   Python-side state that dynamo should not trace (the packed-weight cache repoints parameters on
-   a swap; workspaces grow on first use), so it stays outside compiled graphs.
+3. Inside ``torch.compile`` tracing: ``fused`` only while it declares ``compilable`` (its
+   layer reaches the compiler as one opaque operator, kernels/fused_op.py), else ``native`` /
+   ``native-det``.
 4. Otherwise -- CUDA, or CPU with ``TRITON_INTERPRET=1``, bf16/fp16 -- ``fused``, at every token
    count and in deterministic mode too: it has no atomics, so it is bitwise reproducible at no
    extra cost. No token-count threshold: on the H200 (docs/PERFORMANCE.md, "Current figures",
@@ -33,6 +33,6 @@ def choose_implementation(device: torch.device, dtype: torch.dtype, *,
     # native and fused declare the same backends: where one runs on ``device``, both do
     if NATIVE.skip_reason(device) or dtype not in KERNEL_DTYPES:
         return REFERENCE
-    if dtype in FUSED.dtypes and not _compiling():
+    if dtype in FUSED.dtypes and ("compilable" in FUSED.capabilities or not _compiling()):
         return FUSED
     return NATIVE_DET if deterministic else NATIVE

@@ -22,8 +22,10 @@ Beside the forward it declares:
   (:meth:`Implementation.layer`); by default magi-moe's :class:`~magi_moe.layer.MagiMoE` around
   this forward. Every layer-level check (weight cache, weight swaps, CUDA graphs, determinism,
   discipline) runs on that module through its own parameters and its own cache;
-- ``layer_forward``: a whole-layer fast path (routing included) that ``MagiMoE`` takes for this
-  implementation instead of torch routing + ``forward``;
+- ``layer_forward``: a whole-layer fast path (routing included) on plain tensors,
+  ``layer_forward(x, gate, bias, weights, config) -> y``, that ``MagiMoE`` takes for this
+  implementation instead of routing + ``forward`` (the layer keeps its weight cache current
+  first, where it keeps one);
 - ``launcher``: a kernel-level entry with a caller-owned accumulator that lets the huge-offset
   fuzzer run tokens past 2^31 on lazily allocated memory (:class:`RowLauncher`);
 - ``prepare_weights``: what a serving stack does once before timing (e.g. packing), used by
@@ -60,6 +62,7 @@ CAPABILITIES = frozenset({
     "no_host_sync",     # no device->host synchronisation once warm
     "strided_weights",  # forward accepts non-contiguous weight views (else the layer densifies)
     "input_checks",     # forward itself refuses malformed calls (docs/INPUTS.md) before launching
+    "compilable",       # its layer_forward traces under torch.compile with no graph break
 })
 
 

@@ -35,27 +35,9 @@ def _fused(x, table, weights, config, *, out):
     return fused_forward(x, table, weights, config, out=out)
 
 
-def _fused_layer(layer, x):
-    """``MagiMoE``'s whole-layer path for ``fused``: fused routing and the fused experts on the
-    layer's packed bank; no host sync, no workspace allocation once warm."""
-    if torch.compiler.is_compiling():
-        # One opaque operator for the compiler (kernels/fused_op.py): no graph break, no mutated
-        # input, so mode="reduce-overhead" captures the whole layer as one CUDA graph. The
-        # parameters go in as they are: the bank is only their layout.
-        from .kernels.fused_op import config_args, fused_layer_op
-
-        # Detached, as the eager path runs under no_grad: the operator has no backward.
-        bias = layer.selection_bias
-        return fused_layer_op(x.detach(), layer.gate.detach(),
-                              None if bias is None else bias.detach(), layer.W_gate.detach(),
-                              layer.W_up.detach(), layer.W_down.detach(),
-                              *config_args(layer.config))
-    from .kernels.fused_layer import fused_layer_forward
-
-    with torch.no_grad():
-        layer.weight_cache.ensure(layer.W_gate, layer.W_up)
-        return fused_layer_forward(x, layer.gate, layer.selection_bias, layer.expert_weights(),
-                                   layer.config)
+def _fused_layer(x, gate, bias, weights, config):
+    from .kernels.fused_op import layer_forward
+    return layer_forward(x, gate, bias, weights, config)
 
 
 def _fused_router(x, gate, bias, config):
@@ -92,7 +74,7 @@ NATIVE_DET = Implementation(
 FUSED = Implementation(
     "fused", _fused, TRITON_BACKENDS, "bf16-fp32acc", dtypes=(torch.bfloat16, torch.float16),
     capabilities={"deterministic", "int64_offsets", "weight_cache", "no_host_sync",
-                  "strided_weights", "input_checks"},
+                  "strided_weights", "input_checks", "compilable"},
     layer_forward=_fused_layer,
     launcher=RowLauncher("magi_moe.kernels.fused_rows:launch_fused_rows", "route_rows"),
     prepare_weights=_pack,

@@ -62,7 +62,8 @@ class MagiMoE(nn.Module):
     ``expert_bias_ema`` (vLLM-Omni's default), ``expert_bias`` (SandAI's original) or ``none``.
     ``impl`` forces an implementation (a name or an Implementation); by default
     :mod:`magi_moe.dispatch` chooses. An implementation with a ``layer_forward`` (``fused``)
-    runs the whole layer through it; any other gets torch routing and its ``forward``.
+    runs the whole layer through it on the layer's tensors (``x``, ``gate``, the selection
+    bias, the expert weights, the config); any other gets its routing and its ``forward``.
 
     ``weight_cache``: the :class:`~magi_moe.packed_weights.PackedWeightCache` that packs
     ``W_gate``/``W_up`` into one bank for the fused path (its docstring says what it promises),
@@ -216,7 +217,7 @@ class MagiMoE(nn.Module):
         if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
             self._pin_for_graph()
         if impl.layer_forward is not None and self.weight_cache is not None:
-            return impl.layer_forward(self, x)
+            return self._whole_layer(impl, x)
         routes = impl.route(x, self.gate, self.selection_bias, cfg)
         table = build_route_table(routes, cfg)
         weights = self.expert_weights()
@@ -227,6 +228,16 @@ class MagiMoE(nn.Module):
         with torch.no_grad():
             y = impl(x, table, weights, cfg)
         return y.to(x.dtype)
+
+    def _whole_layer(self, impl: Implementation, x: torch.Tensor) -> torch.Tensor:
+        """``impl.layer_forward`` on this layer's tensors, its packed bank made current first.
+        Not while ``torch.compile`` traces: repointing parameters is no graph op, and the traced
+        path reads the parameters as they are (the bank is only their layout)."""
+        if not torch.compiler.is_compiling():
+            with torch.no_grad():
+                self.weight_cache.ensure(self.W_gate, self.W_up)
+        return impl.layer_forward(x, self.gate, self.selection_bias, self.expert_weights(),
+                                  self.config)
 
     def _pin_for_graph(self) -> None:
         """Keep the storage a graph being captured reads alive: after a swap the layer cannot

@@ -135,6 +135,26 @@ def test_dispatch_policy():
             assert pick(cuda, torch.float32) == native
 
 
+def test_dispatch_reads_compilable_while_tracing(monkeypatch):
+    """Under torch.compile tracing dispatch keeps ``fused`` only while it declares
+    ``compilable``; without the capability it falls back to native."""
+    import dataclasses
+
+    from magi_moe import dispatch
+    from magi_moe.backends import interpreter_enabled, triton_installed
+    if not (interpreter_enabled() and triton_installed()):
+        pytest.skip("needs the Triton interpreter (kernels on the CPU)")
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(dispatch, "_compiling", lambda: True)
+    assert "compilable" in dispatch.FUSED.capabilities
+    assert choose_implementation(cpu, torch.bfloat16).name == "fused"
+    plain = dataclasses.replace(dispatch.FUSED,
+                                capabilities=dispatch.FUSED.capabilities - {"compilable"})
+    monkeypatch.setattr(dispatch, "FUSED", plain)
+    assert choose_implementation(cpu, torch.bfloat16).name == "native"
+    assert choose_implementation(cpu, torch.bfloat16, deterministic=True).name == "native-det"
+
+
 @pytest.mark.parametrize("cast", ["to-bf16", "half", "float-then-bf16"])
 def test_module_casts_keep_the_router_fp32_and_unrounded(cast):
     """``layer.to(dtype)`` and friends cast the expert weights but leave the router's gate and

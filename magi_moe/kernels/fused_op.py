@@ -1,4 +1,5 @@
-"""The fused layer as one PyTorch custom operator, the form ``torch.compile`` sees it in.
+"""The fused layer as one PyTorch custom operator, the form ``torch.compile`` sees it in, and
+:func:`layer_forward`, the entry that takes that form while tracing and the eager one otherwise.
 
 Why a ``custom_op`` and not ``triton_op``: the launch sequence is host logic (the tile table,
 tensor descriptors, the shared-memory check of a compiled kernel, persistent grids sized from
@@ -49,8 +50,20 @@ def _(x, gate, bias, w_gate, w_up, w_down, num_heads, head_dim, num_experts, top
     return x.new_empty(x.shape)  # the real op returns a dense [S, H*Dh] tensor of x.dtype
 
 
-def config_args(config: MoEConfig) -> tuple:
-    """The operator's trailing arguments for ``config`` (its dtype is ``x``'s)."""
-    return (config.num_heads, config.head_dim, config.num_experts, config.top_k,
-            config.intermediate_size, config.score_func, config.route_norm,
-            float(config.route_scale))
+def layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+                  weights: ExpertWeights, config: MoEConfig) -> torch.Tensor:
+    """The fused implementation's ``layer_forward``: the whole layer on plain tensors and the
+    config, no module (``MagiMoE`` keeps its packed bank current and hands its parameters in).
+    Eager: :func:`~.fused_layer.fused_layer_forward`. While ``torch.compile`` traces: this
+    operator, on the tensors as given (the bank is only their layout), detached as the eager
+    path runs under ``no_grad``: the operator has no backward."""
+    if torch.compiler.is_compiling():
+        return fused_layer_op(x.detach(), gate.detach(), None if bias is None else bias.detach(),
+                              *(w.detach() for w in weights), config.num_heads,
+                              config.head_dim, config.num_experts, config.top_k,
+                              config.intermediate_size, config.score_func, config.route_norm,
+                              float(config.route_scale))
+    from .fused_layer import fused_layer_forward
+
+    with torch.no_grad():
+        return fused_layer_forward(x, gate, bias, weights, config)
