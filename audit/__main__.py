@@ -19,12 +19,14 @@ import os
 import sys
 from pathlib import Path
 
+from magi_moe.arguments import OneLineParser, refuse
+
 BACKEND_NAMES = ("cpu", "interpret", "cuda")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m audit", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m audit", description=__doc__.split("\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=BACKEND_NAMES, default="cpu",
                    help="where to run: cpu (default; also runs the kernels if TRITON_INTERPRET=1), "
                         "interpret (sets TRITON_INTERPRET=1), cuda (production shapes)")
@@ -100,20 +102,23 @@ def main(argv: list[str] | None = None) -> int:
     from .probes import PROBES
     from .report import Audit, AuditOptions
 
+    prog = "python -m audit"
     for name in args.preset:
         if name not in PRESETS:
-            print(f"--preset must be one of {sorted(PRESETS)}, got {name!r}", file=sys.stderr)
-            return 2
+            return refuse(prog, f"--preset must be one of {sorted(PRESETS)}, got {name!r}")
     for name in args.probe:
         if name not in PROBES:
-            print(f"--probe must be one of {PROBES}, got {name!r}", file=sys.stderr)
-            return 2
+            return refuse(prog, f"--probe must be one of {PROBES}, got {name!r}")
     try:
         for name in args.impl:
             get_implementation(name)
-    except ValueError as exc:
-        print(f"--impl: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError) as exc:
+        return refuse(prog, f"--impl: {exc}".splitlines()[0])
+    try:  # before the run: a report that cannot be written would lose a finished audit
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return refuse(prog, f"--out must be a directory that can be created, got {str(args.out)!r} "
+                            f"({exc.strerror or exc})")
     options = AuditOptions(
         backend=args.backend, impls=args.impl, presets=args.preset, tokens=args.tokens,
         seed=args.seed, out=args.out, probes=tuple(args.probe) or PROBES,
@@ -122,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         allow_no_kernels=args.allow_no_kernels)
     audit = Audit(options)
     if not audit.backend.available and args.backend != "cpu":
-        print(f"backend {args.backend} unavailable: {audit.backend.unavailable_reason()}",
-              file=sys.stderr)
-        return 2
+        return refuse(prog, f"--backend {args.backend} is unavailable here: "
+                            f"{audit.backend.unavailable_reason()}")
     threads = torch.get_num_threads()
     if args.threads or args.backend != "cuda":
         torch.set_num_threads(args.threads or 1)

@@ -13,6 +13,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -126,23 +127,35 @@ class Audit:
     # -- sections ------------------------------------------------------------------------------
     def run(self) -> int:
         o = self.options
-        self.say(f"magi-moe audit: backend {self.backend.name} ({self.backend.description}), "
+        self.say(f"magi-moe audit: backend {self.backend.name} ({backend_description(self.backend)}), "
                  f"presets {o.resolved_presets()}, {o.resolved_tokens()} tokens, seed {o.seed}")
-        self.section_selfcheck()
+        self.guarded("selfcheck", self.section_selfcheck)
         if o.mp_validation:
-            self.section_mpcheck()
-        problems = self.section_bounds()
+            self.guarded("mpcheck", self.section_mpcheck)
+        problems = self.guarded("bounds", self.section_bounds) or {}
         if o.controls:
-            self.section_controls()
-        self.section_determinism(problems)
-        self.section_cache()
-        self.section_discipline(problems)
-        self.section_graphs()
-        self.section_coverage()
+            self.guarded("controls", self.section_controls)
+        self.guarded("determinism", self.section_determinism, problems)
+        self.guarded("cache", self.section_cache)
+        self.guarded("discipline", self.section_discipline, problems)
+        self.guarded("graphs", self.section_graphs)
+        self.guarded("coverage", self.section_coverage)
         self.write()
         if self.failed:
             return 1
         return 3 if self.vacuous else 0
+
+    def guarded(self, section: str, run, *args):
+        """Run one section; an error escaping it (an outside ``supports()`` or layer factory that
+        raises, say) is that section's FAIL row, and the sections after it and the report still
+        run: an audit never loses what it has finished."""
+        try:
+            return run(*args)
+        except Exception as exc:  # noqa: BLE001 -- reported as a failure, never swallowed
+            text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.add(section, "section stopped", FAIL, f"raised {text}",
+                     {"traceback": traceback.format_exc()})
+            return None
 
     def section_graphs(self) -> None:
         """CUDA-graph replay after each weight-change route, on each implementation's own layer
@@ -444,8 +457,15 @@ class Audit:
     def write(self) -> None:
         out = Path(self.options.out)
         out.mkdir(parents=True, exist_ok=True)
-        plots = write_plots(self.bound_reports, out)
+        plots, plots_missing = [], None
+        try:
+            plots = write_plots(self.bound_reports, out)
+        except ImportError as exc:  # the report is the audit's result; plots only illustrate it
+            plots_missing = (f"plots not written: {exc.name or exc} is not installed "
+                             f"(pip install matplotlib, or the [audit] extra)")
         meta = environment(self.backend, self.options)
+        if plots_missing:
+            meta["plots"] = plots_missing
         meta["seconds"] = round(time.perf_counter() - self.started, 1)
         (out / "report.json").write_text(json.dumps(
             {"meta": meta, "ok": not self.failed and not self.vacuous, "vacuous": self.vacuous,
@@ -459,7 +479,9 @@ class Audit:
             self.say("\nno implementation under test ran (see the coverage rows); exit status 3, "
                      "--allow-no-kernels accepts such a run")
         self.say(f"\n{verdict} in {meta['seconds']} s; "
-                 f"report in {out}/ (report.md, report.json, {', '.join(plots)})")
+                 f"report in {out}/ ({', '.join(['report.md', 'report.json', *plots])})")
+        if plots_missing:
+            self.say(plots_missing)
 
 
 _BOUNDS: dict = {}
@@ -474,6 +496,15 @@ def _bounds_cache(problem: Problem, model: str, failure_probability: float):
     return _BOUNDS[key][1]
 
 
+def backend_description(backend: Backend) -> str:
+    """What the backend audits in this run: the cpu backend also audits the Triton kernels
+    when the interpreter is on (``Audit.runnable_here``)."""
+    if backend.name == "cpu" and get_backend("interpret").available:
+        return ("the CPU: the torch paths, and the Triton kernels under the interpreter "
+                "(TRITON_INTERPRET=1)")
+    return backend.description
+
+
 def environment(backend: Backend, options: AuditOptions) -> dict:
     try:
         import triton
@@ -482,7 +513,7 @@ def environment(backend: Backend, options: AuditOptions) -> dict:
         triton_version = None
     device = (torch.cuda.get_device_name(0) if backend.name == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
-    return {"backend": backend.name, "device": device, "torch": torch.__version__,
+    return {"backend": backend.name, "audits": backend_description(backend), "device": device, "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version(),
             "threads": torch.get_num_threads(), "presets": options.resolved_presets(),
             "tokens": options.resolved_tokens(), "seed": options.seed,
