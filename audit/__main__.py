@@ -79,8 +79,11 @@ def enable_interpreter_for_cpu(argv: list[str] | None = None) -> None:
         return
     # Read when kernels are decorated: set before anything imports magi_moe.kernels.
     os.environ["TRITON_INTERPRET"] = "1"
-    print("audit: TRITON_INTERPRET=1 set for this run, so the Triton kernels are audited under the "
-          "CPU interpreter (--no-kernels to skip them)", flush=True)
+    _notes.append("audit: TRITON_INTERPRET=1 set for this run, so the Triton kernels are audited "
+                  "under the CPU interpreter (--no-kernels to skip them)")
+
+
+_notes: list[str] = []  # printed once the arguments are accepted: a refusal stays one line
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         determinism_runs=args.runs, controls=not args.no_controls,
         mp_validation=not args.no_mpcheck, failure_probability=args.failure_probability,
         allow_no_kernels=args.allow_no_kernels)
+    while _notes:
+        print(_notes.pop(0), flush=True)
     audit = Audit(options)
     if not audit.backend.available and args.backend != "cpu":
         return refuse(prog, f"--backend {args.backend} is unavailable here: "

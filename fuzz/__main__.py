@@ -12,11 +12,12 @@ with its one-line ``repro``) and ``<out>/pytest.log``; see :mod:`fuzz.campaign`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
+
+from magi_moe.arguments import OneLineParser
 
 
 def _load_record(text: str) -> dict:
@@ -28,11 +29,16 @@ def _load_record(text: str) -> dict:
 
 
 def replay_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fuzz replay",
-                                     description="Replay one recorded case exactly; exit 1 if it still fails.")
+    parser = OneLineParser(prog="python -m fuzz replay",
+                           description="Replay one recorded case exactly; exit 1 if it still fails.")
     parser.add_argument("record", help="the record JSON, or a failure file written by a campaign")
     args = parser.parse_args(argv)
-    record = _load_record(args.record)
+    try:
+        record = _load_record(args.record)
+    except (OSError, ValueError) as exc:
+        parser.error(f"RECORD must be a record's JSON or a failure file, got {args.record[:80]!r} ({exc})")
+    if not isinstance(record, dict):
+        parser.error(f"RECORD must be a JSON object, got {type(record).__name__}")
     if record.get("backend") == "interpret":
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     from .fuzzers import replay
@@ -55,9 +61,9 @@ def replay_main(argv: list[str]) -> int:
 
 
 def list_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fuzz list",
-                                     description="The properties a campaign can run (--properties): "
-                                                 "the records of fuzz.fuzzers.PROPERTIES.")
+    parser = OneLineParser(prog="python -m fuzz list",
+                           description="The properties a campaign can run (--properties): "
+                                       "the records of fuzz.fuzzers.PROPERTIES.")
     parser.parse_args(argv)
     from magi_moe.text_tables import format_table
 

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -47,6 +48,8 @@ def pytest_addoption(parser):
                     help="shared example database: a directory or a redis:// URL")
     group.addoption("--fuzz-db-local", default=None, help="local directory paired with a Redis database")
     group.addoption("--fuzz-order", default=None, help="JSON file: {'first': [node ids], 'rotation': N}")
+    group.addoption("--fuzz-stop-with-parent", action="store_true",
+                    help="end this process group when the campaign runner that started it is gone")
     group.addoption("--fuzz-replay-only", action="store_true",
                     help="replay the database (read-only) and generate nothing: the per-commit run")
     group.addoption("--fuzz-start", type=float, default=None, help="campaign start (epoch seconds)")
@@ -67,6 +70,21 @@ def _active(config) -> bool:
     return bool(config.getoption("--fuzz-out"))
 
 
+def _stop_with_parent() -> None:
+    """A campaign runner killed (even by SIGKILL) leaves its pytest and workers behind, in their
+    own session: each watches its parent and ends the whole group once the parent is gone."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        if os.getpgrp() == os.getsid(0):  # the runner's own session: never a user's shell job
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fuzz-stop-with-parent", daemon=True).start()
+
+
 def _worker_index(config) -> int:
     name = getattr(config, "workerinput", {}).get("workerid", "gw0")
     match = re.search(r"(\d+)$", name)
@@ -76,6 +94,8 @@ def _worker_index(config) -> int:
 def pytest_configure(config):
     if not _active(config):
         return
+    if config.getoption("--fuzz-stop-with-parent"):
+        _stop_with_parent()
     from hypothesis import Phase, settings
 
     from . import profiles
@@ -361,7 +381,8 @@ def rerun_command(config, nodeid: str) -> str:
     import shlex
     backends = config.getoption("--backend") or ["cpu"]
     from .database import describe
-    parts = ["python -m fuzz rerun", shlex.quote(nodeid), "--db", shlex.quote(describe(config.getoption("--fuzz-db"))),
+    from .record import FUZZ_COMMAND
+    parts = [f"{FUZZ_COMMAND} rerun", shlex.quote(nodeid), "--db", shlex.quote(describe(config.getoption("--fuzz-db"))),
              "--backend", shlex.quote(backends[0])]
     for impl in config.getoption("--impl") or []:
         parts += ["--impl", shlex.quote(impl)]
