@@ -6,6 +6,7 @@
     python -m fuzz replay '<record json>' | path/to/failure.json    # one case, exactly (exit 1: fails, 3: cannot run here)
     python -m fuzz rerun 'tests/test_fuzz_stateful.py::test_weight_swaps[fused@cpu]' --db DIR --backend cpu
     python -m fuzz list                                              # the properties
+    python -m fuzz merge machine-a/fuzz-out machine-b/fuzz-out --out merged   # one summary of N machines
 
 A campaign writes ``<out>/summary.json``, ``<out>/junit.xml``, ``<out>/failures/*.json`` (each
 with its one-line ``repro``) and ``<out>/pytest.log``; see :mod:`fuzz.campaign`.
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         return replay_main(argv[1:])
     if argv and argv[0] == "list":
         return list_main(argv[1:])
+    if argv and argv[0] == "merge":
+        from .merge import merge_main
+        return merge_main(argv[1:])
     from .campaign import campaign_main, rerun_main
     if argv and argv[0] == "rerun":
         return rerun_main(argv[1:])

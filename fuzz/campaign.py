@@ -64,7 +64,8 @@ STATE_MACHINES = ("weight_swaps",)  # --properties names that are not fuzz.fuzze
 OTHER_COMMANDS = """other commands (each takes --help):
   python -m fuzz replay RECORD|FILE                  replay one recorded case exactly; exit 1 if it still fails
   python -m fuzz rerun NODEID --db DIR --backend B   replay a failing test node from a campaign's database
-  python -m fuzz list                                the properties a campaign can run (--properties)"""
+  python -m fuzz list                                the properties a campaign can run (--properties)
+  python -m fuzz merge OUT... --out DIR              one summary.json from the campaigns of N machines"""
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -45,8 +45,9 @@ def test_campaign_records_crashes_and_violations_and_goes_on(tmp_path):
     assert any(p.iterdir() for p in db.iterdir()), "the example database kept nothing"
 
     command = shlex.split(violation["repro"])
-    assert command[:4] == ["python", "-m", "fuzz", "replay"]
-    replay = subprocess.run([sys.executable, *command[1:]], cwd=REPO_ROOT, env=child_env("cpu"),
+    assert command[:4] == ["python", "-m", "magi_moe.fuzz", "replay"]
+    # as printed, from outside the checkout (an installed wheel has no top-level fuzz package)
+    replay = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=child_env("cpu"),
                             capture_output=True, text=True, timeout=300)
     assert replay.returncode == 1 and "FAIL: empty_experts violated" in replay.stdout, replay.stdout + replay.stderr
 
