@@ -160,7 +160,7 @@ def build_pytest_command(args, *, backend: str, out: Path, start: float, seed: i
     if single_round:
         cmd.append("--fuzz-single-round")
     else:  # the campaign's own child, in a session of its own: it ends when the runner does
-        cmd.append("--fuzz-stop-with-parent")
+        cmd += ["--fuzz-runner-pid", str(os.getpid())]
     if getattr(args, "db_local", None):
         cmd += ["--fuzz-db-local", str(args.db_local)]
     if getattr(args, "replay_only", False):

@@ -48,8 +48,8 @@ def pytest_addoption(parser):
                     help="shared example database: a directory or a redis:// URL")
     group.addoption("--fuzz-db-local", default=None, help="local directory paired with a Redis database")
     group.addoption("--fuzz-order", default=None, help="JSON file: {'first': [node ids], 'rotation': N}")
-    group.addoption("--fuzz-stop-with-parent", action="store_true",
-                    help="end this process group when the campaign runner that started it is gone")
+    group.addoption("--fuzz-runner-pid", type=int, default=0,
+                    help="the campaign runner's pid: this process group ends once it is gone")
     group.addoption("--fuzz-replay-only", action="store_true",
                     help="replay the database (read-only) and generate nothing: the per-commit run")
     group.addoption("--fuzz-start", type=float, default=None, help="campaign start (epoch seconds)")
@@ -70,13 +70,21 @@ def _active(config) -> bool:
     return bool(config.getoption("--fuzz-out"))
 
 
-def _stop_with_parent() -> None:
+def _stop_with_runner(runner: int) -> None:
     """A campaign runner killed (even by SIGKILL) leaves its pytest and workers behind, in their
-    own session: each watches its parent and ends the whole group once the parent is gone."""
-    parent = os.getppid()
+    own session: each watches the runner (by pid: it may be gone before this process starts
+    watching) and ends the whole group once it is gone."""
+    def alive() -> bool:
+        try:
+            os.kill(runner, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # exists, owned by someone else: pid reused, the runner is gone
+            return False
+        return True
 
     def watch() -> None:
-        while os.getppid() == parent:
+        while alive():
             time.sleep(1.0)
         if os.getpgrp() == os.getsid(0):  # the runner's own session: never a user's shell job
             os.killpg(os.getpgrp(), signal.SIGKILL)
@@ -94,8 +102,8 @@ def _worker_index(config) -> int:
 def pytest_configure(config):
     if not _active(config):
         return
-    if config.getoption("--fuzz-stop-with-parent"):
-        _stop_with_parent()
+    if config.getoption("--fuzz-runner-pid"):
+        _stop_with_runner(config.getoption("--fuzz-runner-pid"))
     from hypothesis import Phase, settings
 
     from . import profiles

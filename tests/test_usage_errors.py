@@ -261,3 +261,46 @@ def test_a_layer_factory_returning_a_non_module_is_refused():
     impl = _declare(layer_factory=lambda config, state_dict, device: "not a module")
     with pytest.raises(TypeError, match="layer_factory must return a torch.nn.Module, got str"):
         impl.layer(preset("tiny"), {})
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if f"--fuzz-out {text}" in cmdline:  # the campaign's pytest and its workers only
+                found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_the_campaign_pytest_ends_when_its_runner_is_killed(tmp_path):
+    """SIGKILL to the runner (nothing it can catch): its pytest child, in a session of its own,
+    notices and ends its whole group instead of fuzzing on unwatched."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    runner = subprocess.Popen([sys.executable, "-m", "magi_moe.fuzz", "--backend", "cpu", "--impl", SPEC,
+                               "--properties", "differential", "--budget-seconds", "120", "--workers", "0",
+                               "--out", str(out), "--db", str(tmp_path / "db")],
+                              cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not _processes_mentioning(str(out)) and time.time() < deadline:
+            time.sleep(0.5)
+        assert _processes_mentioning(str(out)), "the campaign's pytest never started"
+        runner.send_signal(signal.SIGKILL)
+        runner.wait()
+        deadline = time.time() + 15
+        while _processes_mentioning(str(out)) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not _processes_mentioning(str(out)), "pytest kept running after its runner was killed"
+    finally:
+        if runner.poll() is None:
+            runner.kill()
