@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from magi_moe.audit.bounds import HIST_EDGES
-from magi_moe.audit.report import _close_counts, _close_points, _distinct_series, _occupied_range
+from magi_moe.audit.plots import _close_counts, _close_points, _distinct_series, _occupied_range
 
 
 def hist(counts):
@@ -43,7 +43,7 @@ def test_log_axes_carry_few_labels(limits):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from magi_moe.audit.report import _readable_log_ticks
+    from magi_moe.audit.plots import _readable_log_ticks
 
     fig, ax = plt.subplots()
     ax.set_xscale("log")
