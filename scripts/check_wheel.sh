@@ -50,18 +50,31 @@ magi-moe fuzz --backend cpu --impl team_kernel:IMPL --properties differential --
   --workers 0 --out fuzz-team --db fuzz-team-db > fuzz-team.log
 echo "+ audit and fuzz import team_kernel from $work/team"
 
-# A campaign against a broken kernel; each reproduction line it prints runs as printed.
+# A campaign against a broken copy of the team's kernel; each reproduction line it prints runs
+# as printed, where the team runs it (the [test] extra has no Triton: the copy is plain torch).
+cat > team_broken.py <<'PY'
+import dataclasses
+
+from team_kernel import IMPL, einsum_forward
+
+
+def off_by_one(x, table, weights, config, *, out):
+    einsum_forward(x, table, weights, config, out=out)
+    return out.add_(1)
+
+
+BROKEN = dataclasses.replace(IMPL, name="team-broken", forward=off_by_one)
+PY
 rc=0
-magi-moe fuzz --backend cpu --impl magi_moe.tests.fuzz_broken:empty_expert_garbage --properties empty_experts \
-  --budget-seconds 20 --workers 0 --round-examples 5 --no-shrink --seed 3 --out fuzz-out --db fuzz-db \
-  > fuzz.log || rc=$?
+magi-moe fuzz --backend cpu --impl team_broken:BROKEN --properties differential --budget-seconds 15 \
+  --workers 0 --round-examples 5 --no-shrink --seed 3 --out fuzz-out --db fuzz-db > fuzz.log || rc=$?
 [ "$rc" -eq 1 ] || { echo "the broken kernel's campaign exited $rc, not 1" >&2; tail -20 fuzz.log >&2; exit 1; }
 failure() { python -c 'import json, sys; print(json.load(open("fuzz-out/summary.json"))["failures"][0][sys.argv[1]])' "$1"; }
 repro=$(failure repro)
 nodeid=$(failure nodeid)
-rc=0; (cd /tmp && eval "$repro") > replay.log 2>&1 || rc=$?
+rc=0; eval "$repro" > replay.log 2>&1 || rc=$?
 [ "$rc" -eq 1 ] && grep -q '^FAIL:' replay.log || { echo "the printed replay line exited $rc" >&2; cat replay.log >&2; exit 1; }
-rc=0; python -m magi_moe.fuzz rerun "$nodeid" --db fuzz-db --backend cpu \
-  --impl magi_moe.tests.fuzz_broken:empty_expert_garbage > rerun.log 2>&1 || rc=$?
-[ "$rc" -eq 1 ] && ! grep -q "not found" rerun.log || { echo "rerun of $nodeid exited $rc" >&2; tail -20 rerun.log >&2; exit 1; }
-echo "+ the printed reproduction lines run from the installed wheel: $repro"
+rc=0; python -m magi_moe.fuzz rerun "$nodeid" --db fuzz-db --backend cpu --impl team_broken:BROKEN > rerun.log 2>&1 || rc=$?
+[ "$rc" -eq 1 ] && grep -q "^FAILED .*test_property\[differential-team-broken@cpu\]" rerun.log || {
+  echo "rerun of $nodeid exited $rc" >&2; tail -20 rerun.log >&2; exit 1; }
+echo "+ the printed replay line and a rerun of $nodeid run from the installed wheel"
