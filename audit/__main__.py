@@ -19,12 +19,14 @@ import os
 import sys
 from pathlib import Path
 
+from magi_moe.arguments import OneLineParser, refuse
+
 BACKEND_NAMES = ("cpu", "interpret", "cuda")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m audit", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(prog="python -m audit", description=__doc__.split("\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=BACKEND_NAMES, default="cpu",
                    help="where to run: cpu (default; also runs the kernels if TRITON_INTERPRET=1), "
                         "interpret (sets TRITON_INTERPRET=1), cuda (production shapes)")
@@ -77,8 +79,11 @@ def enable_interpreter_for_cpu(argv: list[str] | None = None) -> None:
         return
     # Read when kernels are decorated: set before anything imports magi_moe.kernels.
     os.environ["TRITON_INTERPRET"] = "1"
-    print("audit: TRITON_INTERPRET=1 set for this run, so the Triton kernels are audited under the "
-          "CPU interpreter (--no-kernels to skip them)", flush=True)
+    _notes.append("audit: TRITON_INTERPRET=1 set for this run, so the Triton kernels are audited "
+                  "under the CPU interpreter (--no-kernels to skip them)")
+
+
+_notes: list[str] = []  # printed once the arguments are accepted: a refusal stays one line
 
 
 def cli(argv: list[str] | None = None) -> int:
@@ -100,30 +105,35 @@ def main(argv: list[str] | None = None) -> int:
     from .probes import PROBES
     from .report import Audit, AuditOptions
 
+    prog = "python -m audit"
     for name in args.preset:
         if name not in PRESETS:
-            print(f"--preset must be one of {sorted(PRESETS)}, got {name!r}", file=sys.stderr)
-            return 2
+            return refuse(prog, f"--preset must be one of {sorted(PRESETS)}, got {name!r}")
     for name in args.probe:
         if name not in PROBES:
-            print(f"--probe must be one of {PROBES}, got {name!r}", file=sys.stderr)
-            return 2
+            return refuse(prog, f"--probe must be one of {PROBES}, got {name!r}")
     try:
         for name in args.impl:
             get_implementation(name)
-    except ValueError as exc:
-        print(f"--impl: {exc}", file=sys.stderr)
-        return 2
+    except (ValueError, TypeError) as exc:
+        return refuse(prog, f"--impl: {exc}".splitlines()[0])
+    try:  # before the run: a report that cannot be written would lose a finished audit
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return refuse(prog, f"--out must be a directory that can be created, got {str(args.out)!r} "
+                            f"({exc.strerror or exc})")
     options = AuditOptions(
         backend=args.backend, impls=args.impl, presets=args.preset, tokens=args.tokens,
         seed=args.seed, out=args.out, probes=tuple(args.probe) or PROBES,
         determinism_runs=args.runs, controls=not args.no_controls,
         mp_validation=not args.no_mpcheck, failure_probability=args.failure_probability,
         allow_no_kernels=args.allow_no_kernels)
+    while _notes:
+        print(_notes.pop(0), flush=True)
     audit = Audit(options)
     if not audit.backend.available and args.backend != "cpu":
-        print(audit.backend.skip_reason(), file=sys.stderr)
-        return 2
+        return refuse(prog, f"--backend {args.backend} is unavailable here: "
+                            f"{audit.backend.unavailable_reason()}")
     threads = torch.get_num_threads()
     if args.threads or args.backend != "cuda":
         torch.set_num_threads(args.threads or 1)

@@ -14,6 +14,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from .clauses import audit_outcomes
 from .determinism import audit_determinism, audit_layer_determinism
 from .emulation import FP32ACC_EMULATION, negative_controls
 from .judge import judge
+from .plots import write_plots
 from .precision import precision_model
 from .probes import PROBE_DESCRIPTIONS, PROBES, probe_problem
 from .router_audit import section_routing
@@ -128,24 +130,36 @@ class Audit:
     # -- sections ------------------------------------------------------------------------------
     def run(self) -> int:
         o = self.options
-        self.say(f"magi-moe audit: backend {self.backend.name} ({self.backend.description}), "
+        self.say(f"magi-moe audit: backend {self.backend.name} ({backend_description(self.backend)}), "
                  f"presets {o.resolved_presets()}, {o.resolved_tokens()} tokens, seed {o.seed}")
-        self.section_selfcheck()
+        self.guarded("selfcheck", self.section_selfcheck)
         if o.mp_validation:
-            self.section_mpcheck()
-        problems = self.section_bounds()
-        section_routing(self)
+            self.guarded("mpcheck", self.section_mpcheck)
+        problems = self.guarded("bounds", self.section_bounds) or {}
+        self.guarded("routing", section_routing, self)
         if o.controls:
-            self.section_controls()
-        self.section_determinism(problems)
-        self.section_cache()
-        self.section_discipline(problems)
-        self.section_graphs()
-        self.section_coverage()
+            self.guarded("controls", self.section_controls)
+        self.guarded("determinism", self.section_determinism, problems)
+        self.guarded("cache", self.section_cache)
+        self.guarded("discipline", self.section_discipline, problems)
+        self.guarded("graphs", self.section_graphs)
+        self.guarded("coverage", self.section_coverage)
         self.write()
         if self.failed:
             return 1
         return 3 if self.vacuous else 0
+
+    def guarded(self, section: str, run, *args):
+        """Run one section; an error escaping it (an outside ``supports()`` or layer factory that
+        raises, say) is that section's FAIL row, and the sections after it and the report still
+        run: an audit never loses what it has finished."""
+        try:
+            return run(*args)
+        except Exception as exc:  # noqa: BLE001 -- reported as a failure, never swallowed
+            text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self.add(section, "section stopped", FAIL, f"raised {text}",
+                     {"traceback": traceback.format_exc()})
+            return None
 
     def section_graphs(self) -> None:
         """CUDA-graph replay after each weight-change route, on each implementation's own layer
@@ -457,8 +471,15 @@ class Audit:
     def write(self) -> None:
         out = Path(self.options.out)
         out.mkdir(parents=True, exist_ok=True)
-        plots = write_plots(self.bound_reports, out)
+        plots, plots_missing = [], None
+        try:
+            plots = write_plots(self.bound_reports, out)
+        except ImportError as exc:  # the report is the audit's result; plots only illustrate it
+            plots_missing = (f"plots not written: {exc.name or exc} is not installed "
+                             f"(pip install matplotlib, or the [audit] extra)")
         meta = environment(self.backend, self.options)
+        if plots_missing:
+            meta["plots"] = plots_missing
         meta["seconds"] = round(time.perf_counter() - self.started, 1)
         (out / "report.json").write_text(json.dumps(
             {"meta": meta, "ok": not self.failed and not self.vacuous, "vacuous": self.vacuous,
@@ -478,7 +499,9 @@ class Audit:
             self.say("\nno implementation under test ran (see the coverage rows); exit status 3, "
                      "--allow-no-kernels accepts such a run")
         self.say(f"\n{verdict} in {meta['seconds']} s; "
-                 f"report in {out}/ (report.md, report.json, {', '.join(plots)})")
+                 f"report in {out}/ ({', '.join(['report.md', 'report.json', *plots])})")
+        if plots_missing:
+            self.say(plots_missing)
 
 
 _BOUNDS: dict = {}
@@ -493,6 +516,15 @@ def _bounds_cache(problem: Problem, model: str, failure_probability: float):
     return _BOUNDS[key][1]
 
 
+def backend_description(backend: Backend) -> str:
+    """What the backend audits in this run: the cpu backend also audits the Triton kernels
+    when the interpreter is on (``Audit.runnable_here``)."""
+    if backend.name == "cpu" and get_backend("interpret").available:
+        return ("the CPU: the torch paths, and the Triton kernels under the interpreter "
+                "(TRITON_INTERPRET=1)")
+    return backend.description
+
+
 def environment(backend: Backend, options: AuditOptions) -> dict:
     try:
         import triton
@@ -501,7 +533,7 @@ def environment(backend: Backend, options: AuditOptions) -> dict:
         triton_version = None
     device = (torch.cuda.get_device_name(0) if backend.name == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
-    return {"backend": backend.name, "device": device, "torch": torch.__version__,
+    return {"backend": backend.name, "audits": backend_description(backend), "device": device, "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version(),
             "threads": torch.get_num_threads(), "presets": options.resolved_presets(),
             "tokens": options.resolved_tokens(), "seed": options.seed,
@@ -544,7 +576,9 @@ def markdown(rows: list[Row], meta: dict, plots: list[str], ok: bool) -> str:
         if section == "bounds":
             out += _quantile_table(rows) + [""]
     if plots:
-        out += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+        out += ["## Plots", "", "A legend entry `a = b` is one series both produced exactly, `a ~ b` one they "
+                "produced alike at the plot's scale (the tables above keep the numbers).", ""]
+        out += [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(out)
 
 
@@ -560,62 +594,3 @@ def _quantile_table(rows: list[Row]) -> list[str]:
                 f"{q.get(k, 0):.3g}" for k in ("p50", "p90", "p99", "p99.9"))
                 + f" | {b['prob_max_ratio']:.3g} | {b['lam']:.2f} |")
     return lines
-
-
-def write_plots(bound_reports, out: Path) -> list[str]:
-    """error_ratio_hist.png and error_vs_bound.png for the first preset, one panel per probe."""
-    if not bound_reports:
-        return []
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    first_preset = bound_reports[0][0]
-    chosen = [(probe, impl, r) for p, probe, impl, r in bound_reports
-              if p == first_preset and r.model != "float64"]
-    probes = list(dict.fromkeys(probe for probe, _, _ in chosen))
-    if not probes:
-        return []
-    cols = min(2, len(probes))
-    rows_n = (len(probes) + cols - 1) // cols
-    files = []
-
-    def save(fig, axes, name: str) -> None:
-        for ax in list(axes.flat)[len(probes):]:  # grid cells without a probe
-            ax.axis("off")
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        files.append(name)
-
-    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 3.6 * rows_n), squeeze=False)
-    for ax, probe in zip(axes.flat, probes):
-        for _, impl, r in (c for c in chosen if c[0] == probe):
-            edges = r.hist_edges
-            ax.stairs(r.prob_hist, edges, label=impl)
-        ax.axvline(1.0, color="k", lw=1, ls="--")
-        ax.set_xscale("log")
-        ax.set_title(f"{first_preset} / {probe}")
-        ax.set_xlabel("|error| / probabilistic bound")
-        ax.set_ylabel("elements")
-        ax.legend(fontsize=7)
-    save(fig, axes, "error_ratio_hist.png")
-
-    fig, axes = plt.subplots(rows_n, cols, figsize=(6 * cols, 4.2 * rows_n), squeeze=False)
-    for ax, probe in zip(axes.flat, probes):
-        lo, hi = float("inf"), 0.0
-        for _, impl, r in (c for c in chosen if c[0] == probe):
-            err = torch.tensor(r.sample["error"], dtype=torch.float64).clamp_min(1e-12)
-            bound = torch.tensor(r.sample["worst"], dtype=torch.float64)
-            ax.scatter(bound.numpy(), err.numpy(), s=2, alpha=0.4, label=impl)
-            lo, hi = min(lo, float(bound.min())), max(hi, float(bound.max()))
-        if hi > 0:
-            ax.plot([lo, hi], [lo, hi], "k--", lw=1, label="error = worst-case bound")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_title(f"{first_preset} / {probe}")
-        ax.set_xlabel("worst-case bound")
-        ax.set_ylabel("|out - reference|")
-        ax.legend(fontsize=7, markerscale=4)
-    save(fig, axes, "error_vs_bound.png")
-    return files

@@ -6,17 +6,19 @@
     python -m fuzz replay '<record json>' | path/to/failure.json    # one case, exactly (exit 1: fails, 3: cannot run here)
     python -m fuzz rerun 'tests/test_fuzz_stateful.py::test_weight_swaps[fused@cpu]' --db DIR --backend cpu
     python -m fuzz list                                              # the properties
+    python -m fuzz merge machine-a/fuzz-out machine-b/fuzz-out --out merged   # one summary of N machines
 
 A campaign writes ``<out>/summary.json``, ``<out>/junit.xml``, ``<out>/failures/*.json`` (each
 with its one-line ``repro``) and ``<out>/pytest.log``; see :mod:`fuzz.campaign`.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
+
+from magi_moe.arguments import OneLineParser
 
 
 def _load_record(text: str) -> dict:
@@ -28,11 +30,16 @@ def _load_record(text: str) -> dict:
 
 
 def replay_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fuzz replay",
-                                     description="Replay one recorded case exactly; exit 1 if it still fails.")
+    parser = OneLineParser(prog="python -m fuzz replay",
+                           description="Replay one recorded case exactly; exit 1 if it still fails.")
     parser.add_argument("record", help="the record JSON, or a failure file written by a campaign")
     args = parser.parse_args(argv)
-    record = _load_record(args.record)
+    try:
+        record = _load_record(args.record)
+    except (OSError, ValueError) as exc:
+        parser.error(f"RECORD must be a record's JSON or a failure file, got {args.record[:80]!r} ({exc})")
+    if not isinstance(record, dict):
+        parser.error(f"RECORD must be a JSON object, got {type(record).__name__}")
     if record.get("backend") == "interpret":
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     from .fuzzers import replay
@@ -55,9 +62,9 @@ def replay_main(argv: list[str]) -> int:
 
 
 def list_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fuzz list",
-                                     description="The properties a campaign can run (--properties): "
-                                                 "the records of fuzz.fuzzers.PROPERTIES.")
+    parser = OneLineParser(prog="python -m fuzz list",
+                           description="The properties a campaign can run (--properties): "
+                                       "the records of fuzz.fuzzers.PROPERTIES.")
     parser.parse_args(argv)
     from magi_moe.text_tables import format_table
 
@@ -75,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         return replay_main(argv[1:])
     if argv and argv[0] == "list":
         return list_main(argv[1:])
+    if argv and argv[0] == "merge":
+        from .merge import merge_main
+        return merge_main(argv[1:])
     from .campaign import campaign_main, rerun_main
     if argv and argv[0] == "rerun":
         return rerun_main(argv[1:])

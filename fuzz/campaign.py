@@ -28,6 +28,8 @@ and nothing new is generated or written.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import json
 import os
 import random
@@ -39,6 +41,9 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from magi_moe.arguments import OneLineParser, finite_non_negative, finite_positive, refuse
+from magi_moe.cli import refuse_bad_impl
 
 from . import database as fuzz_db
 from .fuzzers import PROPERTIES
@@ -54,20 +59,23 @@ _TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 DEFAULT_TESTS = tuple(str((_TESTS_DIR / name).relative_to(REPO_ROOT)) for name in (
     "test_fuzz_properties.py", "test_fuzz_stateful.py"))
 PROFILES = ("nightly", "dev", "ci")
+BACKEND_NAMES = ("cpu", "interpret", "cuda")  # magi_moe.backends.BACKENDS, without importing torch
+STATE_MACHINES = ("weight_swaps",)  # --properties names that are not fuzz.fuzzers.PROPERTIES
 OTHER_COMMANDS = """other commands (each takes --help):
   python -m fuzz replay RECORD|FILE                  replay one recorded case exactly; exit 1 if it still fails
   python -m fuzz rerun NODEID --db DIR --backend B   replay a failing test node from a campaign's database
-  python -m fuzz list                                the properties a campaign can run (--properties)"""
+  python -m fuzz list                                the properties a campaign can run (--properties)
+  python -m fuzz merge OUT... --out DIR              one summary.json from the campaigns of N machines"""
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fuzz", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog=OTHER_COMMANDS)
-    p.add_argument("--backend", default=None, help="cpu, interpret or cuda (default: the best available)")
+    p = OneLineParser(prog="python -m fuzz", description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=OTHER_COMMANDS)
+    p.add_argument("--backend", default=None, choices=BACKEND_NAMES,
+                   help="cpu, interpret or cuda (default: the best available)")
     p.add_argument("--impl", action="append", default=[],
                    help="implementation under test (name or package.module:attr); repeatable; default: all")
-    p.add_argument("--budget-seconds", type=float, default=600.0, help="time budget (default 600)")
+    p.add_argument("--budget-seconds", type=finite_positive, default=600.0, help="time budget (default 600)")
     p.add_argument("--allow-no-kernels", action="store_true",
                    help="exit 0 even when only the oracle and the baseline ran (no kernel fuzzed)")
     p.add_argument("--seed", type=int, default=None, help="campaign seed (default: random, printed)")
@@ -86,24 +94,42 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated properties (default: all): {', '.join(PROPERTIES)} (python -m fuzz "
                         "list describes them), and weight_swaps (the weight-swap state machine)")
     p.add_argument("--round-examples", type=int, default=25, help="examples per round of one test")
-    p.add_argument("--case-timeout", type=float, default=600.0, help="seconds after which a case is a hang")
+    p.add_argument("--case-timeout", type=finite_positive, default=600.0,
+                   help="seconds after which a case is a hang")
     p.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="fuzz test files")
-    p.add_argument("--grace-seconds", type=float, default=30.0,
+    p.add_argument("--grace-seconds", type=finite_non_negative, default=30.0,
                    help="time past the budget before pytest is stopped (default 30)")
     p.add_argument("--no-confirm", action="store_true", help="do not replay crashes to name the signal")
     p.add_argument("--no-shrink", action="store_true", help="report first failing examples unshrunk (faster)")
-    p.add_argument("--size-budget", type=float, default=None,
+    p.add_argument("--size-budget", type=finite_positive, default=None,
                    help="shape budget of the strategies (default: 2 on the CPU, 32 on a GPU; ci: 1)")
     return p
 
 
 def _backend(name: str | None) -> str:
-    from magi_moe.backends import BACKENDS
     if name is None:
         return "cuda" if _cuda_count() > 0 else "interpret"
-    if name not in BACKENDS:
-        raise SystemExit(f"--backend must be one of {sorted(BACKENDS)}, got {name!r}")
     return name
+
+
+def refused_arguments(args) -> str | None:
+    """What is wrong with the campaign's arguments (one line), or None; checked before the
+    database is opened or any pytest starts."""
+    if args.workers < 0:
+        return f"--workers must be >= 0, got {args.workers}"
+    if args.round_examples < 1:
+        return f"--round-examples must be >= 1, got {args.round_examples}"
+    known = (*PROPERTIES, *STATE_MACHINES)
+    for name in (p.strip() for group in args.properties for p in group.split(",")):
+        if name and name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            return f"--properties must name properties among {', '.join(known)}, got {name!r}{hint}"
+    for name in args.impl:
+        why = refuse_bad_impl(name)
+        if why:
+            return why
+    return None
 
 
 def _cuda_count() -> int:
@@ -117,7 +143,9 @@ def _cuda_count() -> int:
 def build_pytest_command(args, *, backend: str, out: Path, start: float, seed: int,
                          gpus: int, single_round: bool = False, nodeids=()) -> list[str]:
     props = ",".join(p.strip() for group in args.properties for p in group.split(",") if p.strip())
-    cmd = [sys.executable, "-m", "pytest", *(nodeids or args.tests),
+    # --rootdir: node ids relative to REPO_ROOT, the child's cwd, in a checkout and installed alike,
+    # so that a printed rerun line names a file the rerun finds
+    cmd = [sys.executable, "-m", "pytest", *(nodeids or args.tests), "--rootdir", str(REPO_ROOT),
            "-p", "magi_moe.fuzz.campaign_plugin", "-p", "no:cacheprovider", "-q", "-rfE",
            "-W", "ignore::RuntimeWarning", "--backend", backend,
            "--fuzz-out", str(out), "--fuzz-db", str(args.db), "--fuzz-start", repr(start),
@@ -131,6 +159,8 @@ def build_pytest_command(args, *, backend: str, out: Path, start: float, seed: i
         cmd += ["-n", str(args.workers), "--max-worker-restart", str(max(8, 4 * args.workers))]
     if single_round:
         cmd.append("--fuzz-single-round")
+    else:  # the campaign's own child, in a session of its own: it ends when the runner does
+        cmd += ["--fuzz-runner-pid", str(os.getpid())]
     if getattr(args, "db_local", None):
         cmd += ["--fuzz-db-local", str(args.db_local)]
     if getattr(args, "replay_only", False):
@@ -182,6 +212,25 @@ def _run_pytest(cmd: list[str], *, env: dict, out: Path, start: float, budget: f
     pump = threading.Thread(target=_pump, args=(proc.stdout, log, True), daemon=True)
     pump.start()
     next_report = time.time() + 10
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:  # SIGTERM becomes SystemExit, so the child group is stopped below
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        _wait_for_pytest(proc, out, start, budget, hard_limit, next_report)
+    except BaseException:  # Ctrl-C or SIGTERM: the child is in its own session, stop it too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+    proc.wait()
+    pump.join(timeout=5)
+    return proc.returncode
+
+
+def _wait_for_pytest(proc, out: Path, start: float, budget: float, hard_limit: float,
+                     next_report: float) -> None:
     while proc.poll() is None:
         time.sleep(0.5)
         if time.time() >= next_report:
@@ -195,11 +244,6 @@ def _run_pytest(cmd: list[str], *, env: dict, out: Path, start: float, budget: f
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
             break
-    proc.wait()
-    pump.join(timeout=5)
-    return proc.returncode
-
-
 
 
 def _replay_child(record: dict, backend: str, timeout: float) -> tuple[str, str]:
@@ -298,7 +342,7 @@ def _replay_findings(findings: list[dict], *, backend: str, out: Path, timeout: 
         if swap_backend:
             record["backend"] = backend
         outcome, text = _replay_child(record, backend, timeout)
-        who = f"{record.get('property')} on {record.get('impl') or record.get('router')}@{record['backend']}"
+        who = f"{record.get('property')} on {record.get('impl') or record.get('router')}@{record.get('backend')}"
         print(f"[fuzz] replayed from the database: {who}: {outcome} ({text})", flush=True)
         if outcome == "pass":
             done["fixed"].append(finding)
@@ -501,9 +545,9 @@ def _clean_outputs(out: Path) -> None:
 
 def campaign_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    if args.budget_seconds <= 0 or args.workers < 0 or args.round_examples < 1 or args.grace_seconds < 0:
-        raise SystemExit("--budget-seconds must be > 0, --workers >= 0, --round-examples >= 1, "
-                         "--grace-seconds >= 0")
+    why = refused_arguments(args)
+    if why:
+        return refuse("python -m fuzz", why)
     backend = _backend(args.backend)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     out = Path(args.out).resolve()
@@ -515,11 +559,15 @@ def campaign_main(argv: list[str]) -> int:
         args.db_local = str((Path.cwd() / fuzz_db.DEFAULT_LOCAL_DIR).resolve())
     try:  # a wrong URL or a missing server fails here, before any worker starts
         db = fuzz_db.open_database(args.db, local_dir=args.db_local, read_only=args.replay_only)
-        findings = fuzz_db.load_findings(db)
+        corrupt: list[bytes] = []
+        findings = fuzz_db.load_findings(db, corrupt)
         rotation = 0 if args.replay_only else fuzz_db.read_rotation(db)
     except fuzz_db.DatabaseError as exc:
         print(f"[fuzz] error: {exc}", file=sys.stderr)
         return 2
+    if corrupt:
+        print(f"[fuzz] warning: passed over {len(corrupt)} unreadable failure record(s) in the database "
+              f"(first: {corrupt[0][:80]!r})", file=sys.stderr, flush=True)
     _clean_outputs(out)
     props = {p.strip() for group in args.properties for p in group.split(",") if p.strip()}
     mine = [f for f in findings if _finding_matches(f, backend=backend, impls=args.impl, props=props,
@@ -623,16 +671,38 @@ def _forget_fixed_nodes(db, findings: list[dict], summary: dict) -> None:
             fuzz_db.delete_finding(db, finding)
 
 
+def resolve_nodeid(nodeid: str) -> str | None:
+    """``nodeid`` as the rerun's pytest (run in REPO_ROOT) finds it: as printed, or with its file
+    looked up by name among the fuzz tests (a node id printed by a campaign in a checkout,
+    rerun from an installed wheel, or the other way round); None when no such file exists."""
+    file, sep, rest = nodeid.partition("::")
+    if (REPO_ROOT / file).is_file():
+        return nodeid
+    here = _TESTS_DIR / Path(file).name
+    if Path(file).suffix == ".py" and here.is_file():
+        return str(here.relative_to(REPO_ROOT)) + sep + rest
+    return None
+
+
 def rerun_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m fuzz rerun",
-                                description="Replay a failing fuzz test from a campaign's example database.")
+    p = OneLineParser(prog="python -m fuzz rerun",
+                      description="Replay a failing fuzz test from a campaign's example database.")
     p.add_argument("nodeid", help="the failing test node, as the campaign printed it")
     p.add_argument("--db", required=True, help="the campaign's example database directory")
-    p.add_argument("--backend", required=True, help="cpu, interpret or cuda, as in the campaign")
+    p.add_argument("--backend", required=True, choices=BACKEND_NAMES,
+                   help="cpu, interpret or cuda, as in the campaign")
     p.add_argument("--impl", action="append", default=[],
                    help="implementation under test, as in the campaign; repeatable")
     p.add_argument("--out", default=None, help="where to write (default: a temporary directory)")
     args = p.parse_args(argv)
+    nodeid = resolve_nodeid(args.nodeid)
+    if nodeid is None:
+        return refuse(p.prog, f"NODEID must name a test of the fuzz suite ({_TESTS_DIR}), "
+                              f"got {args.nodeid!r}")
+    for impl in args.impl:
+        why = refuse_bad_impl(impl)
+        if why:
+            return refuse(p.prog, why)
     import tempfile
     out = Path(args.out or tempfile.mkdtemp(prefix="fuzz-rerun-"))
     ns = _parser().parse_args(["--backend", args.backend, "--db", args.db, "--workers", "0",
@@ -640,5 +710,5 @@ def rerun_main(argv: list[str]) -> int:
     if not fuzz_db.is_url(ns.db):
         ns.db = str(Path(ns.db).resolve())
     cmd = build_pytest_command(ns, backend=args.backend, out=out, start=time.time(), seed=0, gpus=0,
-                               single_round=True, nodeids=[args.nodeid])
+                               single_round=True, nodeids=[nodeid])
     return subprocess.run(cmd, cwd=REPO_ROOT, env=child_env(args.backend)).returncode

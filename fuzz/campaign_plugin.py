@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -48,6 +49,8 @@ def pytest_addoption(parser):
                     help="shared example database: a directory or a redis:// URL")
     group.addoption("--fuzz-db-local", default=None, help="local directory paired with a Redis database")
     group.addoption("--fuzz-order", default=None, help="JSON file: {'first': [node ids], 'rotation': N}")
+    group.addoption("--fuzz-runner-pid", type=int, default=0,
+                    help="the campaign runner's pid: this process group ends once it is gone")
     group.addoption("--fuzz-replay-only", action="store_true",
                     help="replay the database (read-only) and generate nothing: the per-commit run")
     group.addoption("--fuzz-start", type=float, default=None, help="campaign start (epoch seconds)")
@@ -68,6 +71,29 @@ def _active(config) -> bool:
     return bool(config.getoption("--fuzz-out"))
 
 
+def _stop_with_runner(runner: int) -> None:
+    """A campaign runner killed (even by SIGKILL) leaves its pytest and workers behind, in their
+    own session: each watches the runner (by pid: it may be gone before this process starts
+    watching) and ends the whole group once it is gone."""
+    def alive() -> bool:
+        try:
+            os.kill(runner, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # exists, owned by someone else: pid reused, the runner is gone
+            return False
+        return True
+
+    def watch() -> None:
+        while alive():
+            time.sleep(1.0)
+        if os.getpgrp() == os.getsid(0):  # the runner's own session: never a user's shell job
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="fuzz-stop-with-parent", daemon=True).start()
+
+
 def _worker_index(config) -> int:
     name = getattr(config, "workerinput", {}).get("workerid", "gw0")
     match = re.search(r"(\d+)$", name)
@@ -77,6 +103,8 @@ def _worker_index(config) -> int:
 def pytest_configure(config):
     if not _active(config):
         return
+    if config.getoption("--fuzz-runner-pid"):
+        _stop_with_runner(config.getoption("--fuzz-runner-pid"))
     from hypothesis import Phase, settings
 
     from . import profiles
@@ -355,7 +383,8 @@ def rerun_command(config, nodeid: str) -> str:
     import shlex
     backends = config.getoption("--backend") or ["cpu"]
     from .database import describe
-    parts = ["python -m fuzz rerun", shlex.quote(nodeid), "--db", shlex.quote(describe(config.getoption("--fuzz-db"))),
+    from .record import FUZZ_COMMAND
+    parts = [f"{FUZZ_COMMAND} rerun", shlex.quote(nodeid), "--db", shlex.quote(describe(config.getoption("--fuzz-db"))),
              "--backend", shlex.quote(backends[0])]
     for impl in config.getoption("--impl") or []:
         parts += ["--impl", shlex.quote(impl)]

@@ -121,13 +121,31 @@ def save_finding(db: ExampleDatabase, payload: dict) -> None:
     db.save(FINDINGS_KEY, new)
 
 
-def load_findings(db: ExampleDatabase) -> list[dict]:
-    """Every failure record in the database, one per case (or node), oldest form first."""
+def _well_formed(data) -> bool:
+    """A finding the campaign can act on: a dict with a record (a dict) or a node id (a string)."""
+    if not isinstance(data, dict):
+        return False
+    record, nodeid = data.get("record"), data.get("nodeid")
+    if record is not None and not isinstance(record, dict):
+        return False
+    if nodeid is not None and not isinstance(nodeid, str):
+        return False
+    return bool(record or nodeid)
+
+
+def load_findings(db: ExampleDatabase, corrupt: list[bytes] | None = None) -> list[dict]:
+    """Every failure record in the database, one per case (or node), oldest form first. An entry
+    that is not a well-formed record (a truncated write, another tool's data) is passed over,
+    and appended to ``corrupt`` when given, so that the caller can say so."""
     seen, out = set(), []
     for raw in sorted(db.fetch(FINDINGS_KEY)):
         try:
             data = json.loads(raw)
         except ValueError:
+            data = None
+        if not _well_formed(data):
+            if corrupt is not None:
+                corrupt.append(raw)
             continue
         ident = _identity(data)
         if ident not in seen:

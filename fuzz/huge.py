@@ -169,13 +169,15 @@ class IsolatedResult:
 
 def child_env(backend: str) -> dict[str, str]:
     """The environment of a child that runs ``backend``: the interpreter flag is set (or cleared)
-    before anything imports Triton kernels, and the checkout is importable."""
+    before anything imports Triton kernels, and the checkout is importable, and so is the
+    current directory (where ``--impl package.module:attr`` was named; the child runs elsewhere)."""
     env = dict(os.environ)
     if backend == "interpret":
         env["TRITON_INTERPRET"] = "1"
     else:
         env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, [str(REPO_ROOT), os.getcwd(),
+                                                                     env.get("PYTHONPATH")])))
     return env
 
 

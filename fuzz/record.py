@@ -5,7 +5,8 @@ A *record* is a JSON-ready dict naming everything a check needs to run again exa
     {"property": "differential", "impl": "native", "backend": "interpret",
      "case": {...}, "params": {...}}          # or "router": "pkg.mod:fn" instead of impl
 
-``python -m fuzz replay '<record json>'`` (or a path to a saved record) replays it.
+``python -m magi_moe.fuzz replay '<record json>'`` (or a path to a saved record) replays it
+(in a checkout ``python -m fuzz replay`` is the same command).
 
 The flight recorder is how a campaign survives a case that kills its process (a segfault under
 the interpreter, an illegal memory access on a GPU, a hang): before each case the worker writes the
@@ -33,7 +34,7 @@ from hypothesis.errors import HypothesisException
 from .cases import dumps
 
 __all__ = [
-    "DEVICE_FAULT_EXIT", "REPLAY_UNAVAILABLE", "DeviceFault", "PropertyViolation", "configure_flight_recorder",
+    "DEVICE_FAULT_EXIT", "FUZZ_COMMAND", "REPLAY_UNAVAILABLE", "DeviceFault", "PropertyViolation", "configure_flight_recorder",
     "cases_started", "clear_found", "found_path", "in_flight", "is_device_fault", "repro_command",
     "save_failure", "save_record", "set_current_item",
 ]
@@ -61,9 +62,14 @@ def cases_started() -> int:
     return _cases_started
 
 
+# How a printed reproduction starts: the name that imports both in a checkout and from an
+# installed wheel (where the package is magi_moe.fuzz; a top-level "fuzz" is not installed).
+FUZZ_COMMAND = "python -m magi_moe.fuzz"
+
+
 def repro_command(record: dict) -> str:
     """The one-line shell command that replays ``record`` exactly."""
-    return f"python -m fuzz replay {shlex.quote(dumps(record))}"
+    return f"{FUZZ_COMMAND} replay {shlex.quote(dumps(record))}"
 
 
 def _who(record: dict) -> str:

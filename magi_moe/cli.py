@@ -1,4 +1,4 @@
-"""``magi-moe``: the suite from any directory, after ``pip install "magi-moe[test]"``.
+"""``magi-moe``: the suite from any directory, once magi_moe is installed (docs/PLUGGING_IN.md).
 
     magi-moe audit [--backend cpu|interpret|cuda] [--impl NAME ...] ...   # python -m audit
     magi-moe fuzz [--impl NAME ...] ...                                    # python -m fuzz
@@ -10,19 +10,44 @@ from the installed ``magi_moe.tests``) against ``IMPL``: a registered name,
 On the ``interpret`` backend it sets ``TRITON_INTERPRET=1`` for the pytest process. It ends
 with the verdict, one row per contract clause, also written to ``--verdict-dir`` (Markdown and
 JSON). Exit statuses are pytest's; 5 means nothing was tested (magi-moe's pytest plugin says why).
+
+Every command imports ``package.module:attr`` from the current directory first, as ``python -m``
+does. A bad command or ``--impl`` is one line on stderr and exit 2, before any work starts.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
 
+from .arguments import OneLineParser
+
 COMMANDS = ("audit", "fuzz", "check")
 
 
+def use_current_directory() -> None:
+    """Make the current directory importable, for this process and its children, as ``python -m``
+    does: the console script's ``sys.path`` starts at its own bin directory instead."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [cwd, os.environ.get("PYTHONPATH")]))
+
+
+def refuse_bad_impl(name: str) -> str | None:
+    """Why ``--impl name`` cannot be loaded (one line), or None. Checked before any pytest or
+    campaign starts, so that a typo is one line and exit 2, not a failed run."""
+    from .registry import get_implementation
+
+    try:
+        get_implementation(name)
+    except (ValueError, TypeError) as exc:
+        return f"--impl: {exc}".splitlines()[0]
+    return None
+
+
 def check(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="magi-moe check", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="magi-moe check", description=__doc__.split("\n")[0])
     parser.add_argument("impl", help="implementation: a registered name, package.module:attr or "
                                      "an installed entry point of group magi_moe.implementations")
     parser.add_argument("--backend", action="append", default=[],
@@ -32,17 +57,23 @@ def check(argv: list[str]) -> int:
     parser.add_argument("--verdict-dir", default="magi-moe-verdict", metavar="DIR",
                         help="where the per-clause verdict is written as verdict.md and "
                              "verdict.json (default: ./magi-moe-verdict)")
-    parser.add_argument("pytest_args", nargs=argparse.REMAINDER,
-                        help="after --: passed to pytest (e.g. -k tie -x)")
-    args = parser.parse_args(argv)
-    extra = list(args.pytest_args)
-    if "--" in extra:  # argparse keeps the separator in REMAINDER
-        extra = extra[extra.index("--") + 1:]
+    parser.epilog = "arguments after -- are passed to pytest (e.g. -- -k tie -x)"
+    # split at "--" first: argparse's REMAINDER would also swallow a --backend after IMPL
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1:]
+    from .backends import BACKENDS
+
+    unknown = [b for b in args.backend if b not in BACKENDS]
+    if unknown:
+        parser.error(f"--backend must be one of {sorted(BACKENDS)}, got {unknown[0]!r}")
     env = dict(os.environ)
     if "interpret" in args.backend:
         env["TRITON_INTERPRET"] = "1"
-    # the current directory first, so that package.module:attr resolves where the user stands
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        os.environ["TRITON_INTERPRET"] = "1"  # before the check below imports any kernel
+    why = refuse_bad_impl(args.impl)
+    if why:
+        print(f"magi-moe check: {why}", file=sys.stderr)
+        return 2
     cmd = [sys.executable, "-m", "pytest", "--pyargs", "magi_moe.tests", "--conformance",
            "--impl", args.impl, "-p", "no:cacheprovider", "--hypothesis-profile", args.profile,
            "-m", "not slow and not benchmark", "--verdict-dir", args.verdict_dir]
@@ -53,10 +84,15 @@ def check(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"magi-moe: unknown command {argv[0]!r}; expected one of {', '.join(COMMANDS)} "
+              f"(magi-moe --help)", file=sys.stderr)
+        return 2
     command, rest = argv[0], argv[1:]
+    use_current_directory()
     if command == "audit":
         from .audit.__main__ import cli
         return cli(rest)

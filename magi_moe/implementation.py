@@ -221,6 +221,10 @@ class Implementation:
             raise ValueError(f"Implementation.name must be a non-empty word, got {self.name!r}")
         if not callable(self.forward):
             raise ValueError(f"Implementation {self.name!r}: forward must be callable")
+        if isinstance(self.backends, str):  # tuple("cpu") would be ('c', 'p', 'u')
+            raise ValueError(f"Implementation {self.name!r}: backends must be a tuple of backend names "
+                             f"from {sorted(BACKENDS)}, got the string {self.backends!r} (write "
+                             f"backends=({self.backends!r},))")
         object.__setattr__(self, "backends", tuple(self.backends))
         unknown = set(self.backends) - set(BACKENDS)
         if not self.backends or unknown:
@@ -229,6 +233,12 @@ class Implementation:
         if self.precision not in PRECISION_MODELS:
             raise ValueError(f"Implementation {self.name!r}: precision must be one of "
                              f"{PRECISION_MODELS}, got {self.precision!r}")
+        if isinstance(self.dtypes, torch.dtype):  # one dtype, not a tuple of them
+            raise ValueError(f"Implementation {self.name!r}: dtypes must be a tuple of floating torch "
+                             f"dtypes, got the single dtype {self.dtypes} (write dtypes=({self.dtypes},))")
+        if isinstance(self.dtypes, str) or not hasattr(self.dtypes, "__iter__"):
+            raise ValueError(f"Implementation {self.name!r}: dtypes must be a tuple of floating torch "
+                             f"dtypes, got {type(self.dtypes).__name__} {self.dtypes!r}")
         object.__setattr__(self, "dtypes", tuple(self.dtypes))
         if not self.dtypes or not all(isinstance(d, torch.dtype) and d.is_floating_point
                                       for d in self.dtypes):
@@ -370,7 +380,11 @@ class Implementation:
         if device is not None:
             state_dict = {k: v.to(device) for k, v in state_dict.items()}
         if self.layer_factory is not None:
-            return self.layer_factory(config, state_dict, device)
+            layer = self.layer_factory(config, state_dict, device)
+            if not isinstance(layer, torch.nn.Module):  # every layer check needs its parameters
+                raise TypeError(f"Implementation {self.name!r}: layer_factory must return a "
+                                f"torch.nn.Module, got {type(layer).__name__}")
+            return layer
         if _DEFAULT_LAYER is None:
             raise RuntimeError("no default layer registered (magi_moe.layer registers MagiMoE when "
                                "magi_moe is imported)")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import inspect
 
 from .implementation import Implementation
 
@@ -30,11 +31,27 @@ _loaded: dict[str, Implementation] = {}  # by where it came from: "module:attr" 
 def as_implementation(obj: object, source: str) -> Implementation:
     """``obj`` itself when an Implementation, else the result of calling it with no arguments."""
     if not isinstance(obj, Implementation) and callable(obj):
+        required = _required_parameters(obj)
+        if required:  # e.g. the forward function itself, named where its declaration belongs
+            raise ValueError(
+                f"{source} must be a magi_moe.implementation.Implementation or a zero-argument factory "
+                f"returning one, got a callable that needs arguments ({', '.join(required)}); a forward "
+                f"function is declared as Implementation(forward=...) and that Implementation is named")
         obj = obj()
     if not isinstance(obj, Implementation):
         raise ValueError(f"{source} must be a magi_moe.implementation.Implementation or a zero-argument "
                          f"factory returning one, got {type(obj).__name__}")
     return obj
+
+
+def _required_parameters(fn) -> list[str]:
+    """The parameters ``fn()`` would be missing (none when its signature cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def load_spec(spec: str) -> Implementation:

@@ -110,6 +110,8 @@ def pytest_configure(config):
     _check_verdict_dir(config.getoption("--verdict-dir", default=None))
     config._magi_moe_tally = Tally(config)
     config.pluginmanager.register(config._magi_moe_tally, "magi_moe_tally")
+    if config.getoption("--impl", None):
+        selected_impls(config)  # a bad --impl: one usage error now, not one per test module
 
 
 def selected_impls(config) -> list[Implementation]:

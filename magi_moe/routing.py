@@ -192,10 +192,15 @@ def router_logits(x: torch.Tensor, gate: torch.Tensor, config: MoEConfig,
 
 
 def scores_from_logits(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """Scores from router logits. A NaN logit (a NaN gate row, CONTRACT section 1) gives a NaN
+    score for that expert alone: softmax normalises over the head's other experts, as sigmoid
+    scores each expert alone, so one bad expert ranks last instead of poisoning its whole head."""
     if score_func == "sigmoid":
         return torch.sigmoid(logits)
     if score_func == "softmax":
-        return torch.softmax(logits, dim=-1)
+        nan = torch.isnan(logits)
+        scores = torch.softmax(logits.masked_fill(nan, float("-inf")), dim=-1)
+        return scores.masked_fill(nan, float("nan"))
     raise ValueError(f"score_func must be 'sigmoid' or 'softmax', got {score_func!r}")
 
 

@@ -22,7 +22,59 @@ mkdir "$work/team"
 cp "$repo/tests/outside_impl_example.py" "$work/team/team_kernel.py"
 cd "$work/team"
 export OPENBLAS_NUM_THREADS=1
-"$work/venv/bin/magi-moe" check team_kernel:IMPL --backend cpu -- -q
-"$work/venv/bin/magi-moe" audit --help > /dev/null
-"$work/venv/bin/magi-moe" fuzz --help > /dev/null
+export PATH="$work/venv/bin:$PATH"  # the printed reproduction lines say "python"
+magi-moe check team_kernel:IMPL --backend cpu -- -q
+magi-moe audit --help > /dev/null
+magi-moe fuzz --help > /dev/null
 echo "+ the installed conformance suite passed against team_kernel:IMPL from $work/team"
+
+# Refused arguments: one line on stderr, exit 2, before any work.
+expect_refusal() {
+  local rc=0
+  "$@" 2> "$work/err.txt" > /dev/null || rc=$?
+  [ "$rc" -eq 2 ] && [ "$(grep -c . "$work/err.txt")" -eq 1 ] || {
+    echo "expected one line and exit 2 from: $* (exit $rc)" >&2; cat "$work/err.txt" >&2; exit 1; }
+}
+expect_refusal magi-moe nope
+expect_refusal magi-moe check team_kernel:einsum_forward
+expect_refusal magi-moe audit --impl no_such_module:IMPL
+expect_refusal magi-moe fuzz --budget-seconds nan
+expect_refusal magi-moe fuzz --properties diferential
+echo "+ bad arguments are refused in one line with exit 2"
+
+# The team's module from the current directory, in the audit (plots included) and a campaign.
+magi-moe audit --impl team_kernel:IMPL --no-kernels --no-mpcheck --no-controls --tokens 16 \
+  --probe random --out audit-out > audit.log
+ls audit-out/report.md audit-out/error_ratio_hist.png > /dev/null
+magi-moe fuzz --backend cpu --impl team_kernel:IMPL --properties differential --budget-seconds 10 \
+  --workers 0 --out fuzz-team --db fuzz-team-db > fuzz-team.log
+echo "+ audit and fuzz import team_kernel from $work/team"
+
+# A campaign against a broken copy of the team's kernel; each reproduction line it prints runs
+# as printed, where the team runs it (the [test] extra has no Triton: the copy is plain torch).
+cat > team_broken.py <<'PY'
+import dataclasses
+
+from team_kernel import IMPL, einsum_forward
+
+
+def off_by_one(x, table, weights, config, *, out):
+    einsum_forward(x, table, weights, config, out=out)
+    return out.add_(1)
+
+
+BROKEN = dataclasses.replace(IMPL, name="team-broken", forward=off_by_one)
+PY
+rc=0
+magi-moe fuzz --backend cpu --impl team_broken:BROKEN --properties differential --budget-seconds 15 \
+  --workers 0 --round-examples 5 --no-shrink --seed 3 --out fuzz-out --db fuzz-db > fuzz.log || rc=$?
+[ "$rc" -eq 1 ] || { echo "the broken kernel's campaign exited $rc, not 1" >&2; tail -20 fuzz.log >&2; exit 1; }
+failure() { python -c 'import json, sys; print(json.load(open("fuzz-out/summary.json"))["failures"][0][sys.argv[1]])' "$1"; }
+repro=$(failure repro)
+nodeid=$(failure nodeid)
+rc=0; eval "$repro" > replay.log 2>&1 || rc=$?
+[ "$rc" -eq 1 ] && grep -q '^FAIL:' replay.log || { echo "the printed replay line exited $rc" >&2; cat replay.log >&2; exit 1; }
+rc=0; python -m magi_moe.fuzz rerun "$nodeid" --db fuzz-db --backend cpu --impl team_broken:BROKEN > rerun.log 2>&1 || rc=$?
+[ "$rc" -eq 1 ] && grep -q "^FAILED .*test_property\[differential-team-broken@cpu\]" rerun.log || {
+  echo "rerun of $nodeid exited $rc" >&2; tail -20 rerun.log >&2; exit 1; }
+echo "+ the printed replay line and a rerun of $nodeid run from the installed wheel"

@@ -503,6 +503,20 @@ def test_fused_router_nan_selection_unpicked_is_not_a_route(device, nan_expert, 
     assert int(fr.table.counts()[nan_expert]) == 0
 
 
+def test_fused_router_nan_gate_row_under_softmax_spares_the_head(device):
+    """A NaN gate row under softmax (CONTRACT section 1): that expert alone ranks last and is
+    never picked, the head's other experts keep their torch-router scores; nothing is NaN."""
+    cfg = preset("small-softmax")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(9, cfg.hidden_size, generator=gen).bfloat16().to(device)
+    gate = (torch.randn(cfg.num_banks, cfg.head_dim, generator=gen) / 4).to(device)
+    gate[4] = float("nan")  # head 0, expert 4
+    fr = fused_route(x, gate, None, cfg)
+    assert_same_routing(fr, route(x, gate, None, cfg), cfg)
+    assert int(fr.table.counts()[4]) == 0
+    assert not torch.isnan(fr.probs).any()
+
+
 def test_fused_router_both_pick_forms_agree(device, monkeypatch):
     """The tuple reduction and the three built-in reductions: bitwise the same routes."""
     from magi_moe.kernels import fused_routing

@@ -87,7 +87,7 @@ def test_each_property_catches_its_broken_variant(name):
         fuzzers.search(prop, prop.on.load(catch.broken, catch.backend), settings=quick(catch.examples))
     record = caught.value.record
     assert str(caught.value).startswith(f"{name} violated by"), str(caught.value)
-    assert "python -m fuzz replay" in str(caught.value)
+    assert "python -m magi_moe.fuzz replay" in str(caught.value)
     assert record["property"] == name and record[prop.on.record_key] == catch.broken
     with pytest.raises(PropertyViolation, match=catch.says):
         _rerun(prop, record)

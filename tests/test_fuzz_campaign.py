@@ -37,7 +37,7 @@ def test_campaign_records_crashes_and_violations_and_goes_on(tmp_path):
     assert "magi_moe.tests.fuzz_broken:segfault_from_three_tokens" in by_kind["crash"]["repro"]
     violation = by_kind["violation"]
     assert violation["property"] == "empty_experts"
-    assert violation["repro"].startswith("python -m fuzz replay ")
+    assert violation["repro"].startswith("python -m magi_moe.fuzz replay ")
 
     cases = ET.parse(out / "junit.xml").getroot().iter("testcase")
     failed = [c.get("name") for c in cases if c.find("failure") is not None or c.find("error") is not None]
@@ -45,8 +45,9 @@ def test_campaign_records_crashes_and_violations_and_goes_on(tmp_path):
     assert any(p.iterdir() for p in db.iterdir()), "the example database kept nothing"
 
     command = shlex.split(violation["repro"])
-    assert command[:4] == ["python", "-m", "fuzz", "replay"]
-    replay = subprocess.run([sys.executable, *command[1:]], cwd=REPO_ROOT, env=child_env("cpu"),
+    assert command[:4] == ["python", "-m", "magi_moe.fuzz", "replay"]
+    # as printed, from outside the checkout (an installed wheel has no top-level fuzz package)
+    replay = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=child_env("cpu"),
                             capture_output=True, text=True, timeout=300)
     assert replay.returncode == 1 and "FAIL: empty_experts violated" in replay.stdout, replay.stdout + replay.stderr
 
@@ -65,13 +66,13 @@ def test_fallback_junit_when_pytest_was_stopped(tmp_path):
             {"nodeid": nodeid, "property": "p", "rounds": 3, "cases": 40, "seconds": 12.5}))
     (tmp_path / "failures" / "linearity-1.json").write_text(json.dumps(
         {"kind": "violation", "nodeid": bad, "message": "doubling did not double",
-         "repro": "python -m fuzz replay '{}'", "record": {"property": "linearity"}}))
+         "repro": "python -m magi_moe.fuzz replay '{}'", "record": {"property": "linearity"}}))
     root = ET.parse(write_fallback_junit(tmp_path)).getroot()
     cases = {c.get("name"): c for c in root.iter("testcase")}
     assert set(cases) == {"test_property[zero_tokens-fused@cuda]", "test_property[linearity-fused@cuda]"}
     assert cases["test_property[zero_tokens-fused@cuda]"].find("failure") is None
     failure = cases["test_property[linearity-fused@cuda]"].find("failure")
-    assert failure is not None and "python -m fuzz replay" in failure.text
+    assert failure is not None and "python -m magi_moe.fuzz replay" in failure.text
     assert cases["test_property[linearity-fused@cuda]"].get("classname") == "tests.test_fuzz_properties"
 
 
@@ -120,7 +121,7 @@ def test_every_failure_record_counts_in_summary_and_junit(tmp_path):
     assert summary["totals"]["failures"] == 3 and summary["totals"]["failed"] == 3, summary["totals"]
     root = ET.parse(tmp_path / "junit.xml").getroot()
     failing = [c for c in root.iter("testcase") if c.find("failure") is not None]
-    assert len(failing) == 3 and all("reproduce: python -m fuzz replay" in c.find("failure").text for c in failing)
+    assert len(failing) == 3 and all("reproduce: python -m magi_moe.fuzz replay" in c.find("failure").text for c in failing)
     assert root.find("testsuite").get("failures") == "3"
 
 
@@ -145,7 +146,7 @@ def test_a_failure_found_before_a_stop_is_recorded(tmp_path):
     assert len(written) == 1
     data = json.loads(written[0].read_text())
     assert data["kind"] == "violation" and "stopped at the hard limit" in data["message"]
-    assert data["repro"].startswith("python -m fuzz replay ")
+    assert data["repro"].startswith("python -m magi_moe.fuzz replay ")
     assert not list((tmp_path / "inflight").glob("found-*"))
 
 

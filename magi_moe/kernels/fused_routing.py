@@ -120,10 +120,13 @@ def router_topk_kernel(
         g_ptrs += BLOCK_D
 
     if SOFTMAX:
-        masked = tl.where(e_mask[None, :], logits, float("-inf"))
+        # a NaN logit (NaN gate row) leaves the normalisation and keeps a NaN score: that
+        # expert alone ranks last (magi_moe.routing.scores_from_logits)
+        is_num = logits == logits
+        masked = tl.where(e_mask[None, :] & is_num, logits, float("-inf"))
         shifted = masked - tl.max(masked, axis=1)[:, None]
         num = tl.exp(shifted)
-        scores = num / tl.sum(num, axis=1)[:, None]
+        scores = tl.where(is_num, num / tl.sum(num, axis=1)[:, None], logits)
     else:
         scores = tl.sigmoid(logits)
     selection = scores

@@ -1,0 +1,74 @@
+"""``python -m fuzz merge OUT...``: one summary from the campaigns of N machines.
+
+Machines that share one example database (``--db redis://...``) each write their own
+``<out>/summary.json``; this reads them and writes one ``summary.json`` in the same form: totals
+added up, a target that ran on several machines counted once with its cases, rounds and seconds
+added (its outcome the worst one seen), and each failure listed once (by its reproduction line).
+Exit status 1 when any machine found a failure, 2 when a summary cannot be read, else 0.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from magi_moe.arguments import OneLineParser, refuse
+
+_WORST = ("failed", "error", "passed", "skipped", "not run")  # the first one seen in this order wins
+_ADDED = ("tests", "passed", "failed", "skipped", "cases", "rounds")
+
+
+def _read(path: Path) -> dict:
+    target = path / "summary.json" if path.is_dir() else path
+    data = json.loads(target.read_text())
+    if not isinstance(data, dict) or "totals" not in data:
+        raise ValueError(f"{target} is not a campaign summary (no totals)")
+    return data
+
+
+def merge_summaries(summaries: list[dict]) -> dict:
+    targets: dict[str, dict] = {}
+    for summary in summaries:
+        for row in summary.get("targets", []):
+            merged = targets.setdefault(row["target"], {**row, "cases": 0, "rounds": 0, "seconds": 0.0,
+                                                        "outcome": "not run"})
+            for key in ("cases", "rounds", "seconds"):
+                merged[key] += row.get(key, 0)
+            outcomes = (merged["outcome"], row.get("outcome", "not run"))
+            merged["outcome"] = min(outcomes, key=lambda o: _WORST.index(o) if o in _WORST else len(_WORST))
+    failures = list({f.get("repro") or f.get("nodeid"): f
+                     for summary in summaries for f in summary.get("failures", [])}.values())
+    rows = list(targets.values())
+    starved = [t["target"] for t in rows if t["rounds"] == 0 and t["outcome"] != "skipped"]
+    totals = {key: sum(s["totals"].get(key, 0) for s in summaries) for key in _ADDED}
+    totals.update(failures=len(failures), targets=len(rows), targets_without_time=len(starved),
+                  targets_not_applicable=sum(t["outcome"] == "skipped" for t in rows))
+    return {
+        "mode": "merged", "machines": len(summaries),
+        "backend": sorted({s.get("backend") for s in summaries if s.get("backend")}),
+        "seeds": [s.get("seed") for s in summaries],
+        "wall_seconds": max((s.get("wall_seconds", 0) for s in summaries), default=0),
+        "totals": totals, "targets": rows, "targets_without_time": starved, "failures": failures,
+    }
+
+
+def merge_main(argv: list[str]) -> int:
+    p = OneLineParser(prog="python -m fuzz merge", description=__doc__.split("\n\n")[0])
+    p.add_argument("outs", nargs="+", metavar="OUT", help="a campaign's --out directory (or its summary.json)")
+    p.add_argument("--out", required=True, help="where the merged summary.json goes")
+    args = p.parse_args(argv)
+    try:
+        summaries = [_read(Path(o)) for o in args.outs]
+    except (OSError, ValueError) as exc:
+        return refuse(p.prog, f"OUT must be a campaign's --out directory or summary.json: {exc}")
+    merged = merge_summaries(summaries)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(merged, indent=1))
+    t = merged["totals"]
+    print(f"[fuzz] merged {merged['machines']} campaigns: {t['targets']} targets, {t['cases']} cases in "
+          f"{t['rounds']} rounds, {t['failures']} failures; {t['targets_without_time']} targets got no time")
+    for f in merged["failures"]:
+        print(f"[fuzz] {f.get('kind')}: {f.get('property') or f.get('nodeid')}: {f.get('message')}\n"
+              f"  reproduce: {f.get('repro')}")
+    print(f"[fuzz] wrote {out / 'summary.json'}")
+    return 1 if merged["failures"] or t["failed"] else 0

@@ -1,0 +1,43 @@
+"""``python -m fuzz merge``: the summaries of N machines sharing one database become one."""
+from __future__ import annotations
+
+import json
+
+from magi_moe.fuzz.__main__ import main
+
+
+def _summary(path, *, targets, failures=(), failed=0, seed=1):
+    path.mkdir(parents=True)
+    rows = [{"target": t, "outcome": o, "cases": c, "rounds": r, "seconds": 1.0} for t, o, c, r in targets]
+    totals = {"tests": len(rows), "passed": sum(o == "passed" for _, o, _, _ in targets), "failed": failed,
+              "skipped": 0, "cases": sum(c for _, _, c, _ in targets), "rounds": sum(r for _, _, _, r in targets)}
+    (path / "summary.json").write_text(json.dumps({"backend": "cpu", "seed": seed, "totals": totals,
+                                                   "targets": rows, "failures": list(failures)}))
+    return path
+
+
+def test_merge_adds_targets_and_lists_each_failure_once(tmp_path, capsys):
+    failure = {"kind": "violation", "property": "linearity", "message": "off", "repro": "python -m magi_moe.fuzz replay '{}'"}
+    a = _summary(tmp_path / "a", targets=[("t1", "passed", 10, 2), ("t2", "passed", 0, 0)])
+    b = _summary(tmp_path / "b", targets=[("t1", "failed", 5, 1), ("t3", "passed", 7, 1)],
+                 failures=[failure, failure], failed=1, seed=2)
+    assert main(["merge", str(a), str(b / "summary.json"), "--out", str(tmp_path / "m")]) == 1
+    merged = json.loads((tmp_path / "m" / "summary.json").read_text())
+    rows = {r["target"]: r for r in merged["targets"]}
+    assert rows["t1"]["cases"] == 15 and rows["t1"]["rounds"] == 3 and rows["t1"]["outcome"] == "failed"
+    assert merged["targets_without_time"] == ["t2"]
+    assert merged["totals"]["cases"] == 22 and merged["totals"]["failures"] == 1
+    assert merged["machines"] == 2 and merged["seeds"] == [1, 2]
+    assert "reproduce: python -m magi_moe.fuzz replay" in capsys.readouterr().out
+
+
+def test_merge_passes_when_no_machine_failed(tmp_path):
+    a = _summary(tmp_path / "a", targets=[("t1", "passed", 3, 1)])
+    assert main(["merge", str(a), "--out", str(tmp_path / "m")]) == 0
+
+
+def test_merge_refuses_what_is_not_a_summary(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    assert main(["merge", str(tmp_path / "x"), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "OUT must be a campaign's --out directory" in err
