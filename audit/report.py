@@ -460,12 +460,13 @@ class Audit:
     # -- files ---------------------------------------------------------------------------------
     def outcomes(self):
         """The rows as verdict outcomes (:mod:`audit.clauses`)."""
-        from magi_moe.registry import get_implementation as load
-
-        specs = {load(s).name: s for s in self.options.impls}
-        impls = {i.name: specs.get(i.name, i.name) for i in self.selected_impls()}
-        runs_on = {name: ("interpret" if self.backend.name == "cpu" and "cpu" not in
-                          load(name).backends else self.backend.name) for name in impls}
+        selected = self.selected_impls()
+        specs = {}
+        for given, impl in zip(self.options.impls, selected) if self.options.impls else ():
+            specs[impl.name] = given if isinstance(given, str) else impl.name
+        impls = {i.name: specs.get(i.name, i.name) for i in selected}
+        runs_on = {i.name: ("interpret" if self.backend.name == "cpu" and "cpu" not in i.backends
+                            else self.backend.name) for i in selected}
         return audit_outcomes(self.rows, impls=impls, backend=self.backend.name, runs_on=runs_on)
 
     def write(self) -> None:
@@ -486,7 +487,11 @@ class Audit:
              "rows": [dict(r.__dict__) for r in self.rows]},
             indent=1, default=str))
         (out / "report.md").write_text(markdown(self.rows, meta, plots, not self.failed and not self.vacuous))
-        table = verdict_rows(self.outcomes())
+        try:
+            table = verdict_rows(self.outcomes())
+        except Exception as exc:  # noqa: BLE001 -- the report above is written; say why no verdict
+            table = {}
+            self.say(f"verdict not written: {type(exc).__name__}: {exc}")
         (out / "verdict.md").write_text(verdict_markdown(table, title="magi-moe audit verdict") + "\n")
         (out / "verdict.json").write_text(json.dumps(verdict_json(table), indent=1) + "\n")
         self.say("")
