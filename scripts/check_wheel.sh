@@ -46,8 +46,8 @@ echo "+ bad arguments are refused in one line with exit 2"
 magi-moe audit --impl team_kernel:IMPL --no-kernels --no-mpcheck --no-controls --tokens 16 \
   --probe random --out audit-out > audit.log
 ls audit-out/report.md audit-out/error_ratio_hist.png > /dev/null
-magi-moe fuzz --backend cpu --impl team_kernel:IMPL --properties differential --budget-seconds 10 \
-  --workers 0 --out fuzz-team --db fuzz-team-db > fuzz-team.log
+magi-moe fuzz --backend cpu --impl team_kernel:IMPL --properties differential --budget-seconds 60 \
+  --profile ci --workers 0 --out fuzz-team --db fuzz-team-db > fuzz-team.log
 echo "+ audit and fuzz import team_kernel from $work/team"
 
 # A campaign against a broken copy of the team's kernel; each reproduction line it prints runs
@@ -66,8 +66,9 @@ def off_by_one(x, table, weights, config, *, out):
 BROKEN = dataclasses.replace(IMPL, name="team-broken", forward=off_by_one)
 PY
 rc=0
-magi-moe fuzz --backend cpu --impl team_broken:BROKEN --properties differential --budget-seconds 15 \
-  --workers 0 --round-examples 5 --no-shrink --seed 3 --out fuzz-out --db fuzz-db > fuzz.log || rc=$?
+# the ci profile: one derandomised round, whatever the machine's speed
+magi-moe fuzz --backend cpu --impl team_broken:BROKEN --properties differential --budget-seconds 60 \
+  --profile ci --workers 0 --no-shrink --seed 3 --out fuzz-out --db fuzz-db > fuzz.log || rc=$?
 [ "$rc" -eq 1 ] || { echo "the broken kernel's campaign exited $rc, not 1" >&2; tail -20 fuzz.log >&2; exit 1; }
 failure() { python -c 'import json, sys; print(json.load(open("fuzz-out/summary.json"))["failures"][0][sys.argv[1]])' "$1"; }
 repro=$(failure repro)

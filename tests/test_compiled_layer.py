@@ -39,6 +39,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 @pytest.mark.interpret
 @pytest.mark.skipif(BACKENDS["interpret"].unavailable_reason() is not None,
                     reason=f"interpret: {BACKENDS['interpret'].unavailable_reason()}")

@@ -188,6 +188,7 @@ def test_targets_without_time_lead_the_next_campaign(tmp_path):
     assert _next_rotation({"rotation": 2}, tmp_path, rows) == 3  # all served: one further
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 def test_every_target_gets_time_on_a_tiny_budget_and_the_order_rotates(tmp_path):
     """Six targets, a one-second budget: each still runs a round (rounds start at one example),
     the summary lists cases and seconds per target, and the next campaign starts one further."""
@@ -211,6 +212,7 @@ def test_every_target_gets_time_on_a_tiny_budget_and_the_order_rotates(tmp_path)
     assert runs[1] == runs[0][1:] + runs[0][:1], runs
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 def test_a_campaign_that_fuzzed_no_kernel_fails(tmp_path):
     """On the cpu backend without --impl only the oracle and the baseline run: the campaign says
     so and exits 2 instead of reporting a pass (--allow-no-kernels accepts it)."""

@@ -89,6 +89,7 @@ def run_child(path: pathlib.Path, device: str):
     return run_capped([sys.executable, "-c", code], timeout=300)
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 @pytest.mark.interpret
 @pytest.mark.parametrize("name,original,mutated", MUTANTS, ids=[m[0] for m in MUTANTS])
 def test_a_broken_native_kernel_is_caught(tmp_path, name, original, mutated):
@@ -103,6 +104,7 @@ def test_a_broken_native_kernel_is_caught(tmp_path, name, original, mutated):
             f"mutant {name}: child failed oddly ({child.end.text}):\n{child.stderr[-1500:]}"
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 def test_the_unmutated_kernel_passes_the_same_check(tmp_path):
     """Guards the harness itself: with no mutation both variants must pass in the child."""
     backend = kernel_backend()

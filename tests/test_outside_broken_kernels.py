@@ -36,6 +36,7 @@ def test_int32_wrap_is_right_below_the_boundary():
     _search("differential", INT32_WRAP, "INT32_WRAP", examples=8)
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 def test_int32_wrap_is_caught_past_the_boundary():
     with pytest.raises(PropertyViolation, match="wrong rows past 2\\^31"):
         _search("huge_offsets", INT32_WRAP, "INT32_WRAP", examples=3)

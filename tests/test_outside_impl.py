@@ -210,6 +210,7 @@ def test_an_outside_implementation_cannot_take_a_builtin_name(broken_dir, monkey
     assert get_implementation("native") is native
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 def test_named_on_the_command_line_results_carry_its_name(plugin_dir, tmp_path):
     """A child pytest, as a kernel team would run it: the example by spec, the plugin by entry
     point, and torch-bf16 (which does not declare determinism) for contrast."""

@@ -38,7 +38,7 @@ INVERTED = Implementation("fallback-inverted", _fast_or_fallback, ("cpu",), "bf1
 
 def _swamp(head_dim: int):
     """The probe that exposes bf16 gate/up accumulation beyond the fp32acc worst case."""
-    return probe_problem("swamp", preset("small").replace(head_dim=head_dim), 128, seed=11)
+    return probe_problem("swamp", preset("small").replace(head_dim=head_dim), 48, seed=11)
 
 
 def test_the_model_follows_the_declared_region():
