@@ -72,6 +72,7 @@ def test_backends_narrow_the_matrix():
 
 
 @pytest.mark.dtypes(torch.float16)
+@pytest.mark.clause("suite-self-check")  # the plugin's own matrix, not the implementation
 def test_the_dtypes_marker_narrows_the_matrix(impl_backend, impl_dtype, request):
     """Collected through the plugin itself: only float16 rows, of implementations declaring it."""
     assert impl_dtype == torch.float16 and impl_dtype in impl_backend.impl.dtypes
