@@ -191,6 +191,7 @@ def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None)
     return out
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 @pytest.mark.parametrize("gu_variant,act_store", [("tma", "ptr"), ("tma_gathered", "ptr"),
                                                   ("tma_gathered", "tma"), ("mlp_tma", "ptr")])
 def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant, act_store):

@@ -78,6 +78,7 @@ def _rerun(prop: fuzzers.Property, record: dict) -> dict:
     return prop.run(prop.target_of(record), case_from_dict(record["case"]), record["params"])
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 @pytest.mark.parametrize("name", list(CATCHES))
 def test_each_property_catches_its_broken_variant(name):
     prop, catch = fuzzers.PROPERTIES[name], CATCHES[name]
@@ -126,6 +127,7 @@ def test_stale_weight_cache_is_caught_by_the_weight_swap_machine():
     assert "does not match the reference on the current weights" in text, text[:2000]
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 def test_snapshot_cache_passes_the_same_search():
     machine = weight_swap_machine(broken.snapshot_cache_layer, config=preset("tiny"))
     run_state_machine_as_test(machine, settings=quick(12, stateful_step_count=20))

@@ -54,6 +54,7 @@ FINDINGS = {
 }
 
 
+@pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 @pytest.mark.parametrize("finding,impl", [(f, i) for f, (_, impls) in FINDINGS.items()
                                           for i in impls])
 def test_campaign_finding_stays_fixed(finding, impl, triton_device):

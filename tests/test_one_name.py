@@ -18,14 +18,11 @@ CHECKOUT = (ROOT / "audit" / "__init__.py").is_file()
 def duplicates(modules) -> dict[str, set[str]]:
     """The project's files loaded as more than one module (``__main__`` aside: ``python -m``
     runs a file as that)."""
-    import magi_moe
-
-    roots = {os.path.realpath(p) for p in magi_moe.__path__}
+    ours = ("magi_moe", "audit", "fuzz", "tests")
     by_file: dict[str, set[str]] = defaultdict(set)
     for name, module in list(modules.items()):
         path = getattr(module, "__file__", None)
-        if path and name != "__main__" and any(os.path.realpath(path).startswith(r + os.sep)
-                                               for r in roots):
+        if path and name != "__main__" and name.partition(".")[0] in ours:
             by_file[os.path.realpath(path)].add(module.__name__)
     return {f: names for f, names in by_file.items() if len(names) > 1}
 
