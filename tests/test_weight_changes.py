@@ -42,6 +42,12 @@ def test_layer_follows_the_weight_change(impl_backend, route, request):
     report = audit_weight_cache(impl, config=config, device=impl_backend.device, routes=(route,),
                                 seed=5)
     judged = [r for r in report.results if r.status not in (SKIPPED, NOT_APPLICABLE)]
+    wrong_first = [r for r in judged if r.detail.startswith("wrong before any change")]
+    if wrong_first and impl.router is not None:
+        # the layer routes with the implementation's own router, which the routing clause
+        # judges: one root cause, one FAIL row there, not one per weight-change route
+        pytest.skip(f"{impl.name}'s layer is wrong before any weight change, with its own router "
+                    f"(see the routing clause): {wrong_first[0].detail}")
     if not judged:
         pytest.skip("; ".join(sorted({r.detail for r in report.results})) or "no result")
     bad = [f"{r.route}/{r.parameter}: {r.status} (promised {r.promised}): {r.detail}"
