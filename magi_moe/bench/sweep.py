@@ -375,7 +375,9 @@ def breakdown_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int)
     """Median ms of each launch of the fused path's plan with the tiles it would choose, timed
     alone (L2 flushed before each): where a case's time goes. ``gate_up`` includes the gather
     pass that ``tma_gathered`` launches first (also shown alone as ``gather``); a one-kernel
-    entry that cannot run here is timed as the two-kernel fallback its plan names."""
+    entry that cannot run here is timed as the two-kernel fallback its plan names. ``route`` is
+    the fused layer's router alone and ``layer`` the whole fused layer: ``layer - whole`` is what
+    the layer costs over its kernel."""
     from ..kernels import plan as P
     from ..kernels.fused import fused_forward, run_plan
     from .kernel_level import KernelLevel
@@ -393,6 +395,18 @@ def breakdown_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int)
               for name, kernels in parts.items() if set(kernels) & set(plan.kernels)}
     stages["whole"] = lambda: fused_forward(x, table, packed, cfg, out=out, tiles=tiles,
                                             workspace=ws)
+    # The layer's own work beside it: the fused router (its four launches, block schedule
+    # included) and the whole layer, on a workspace of their own so that the stages above keep
+    # reading their schedule.
+    from ..kernels.fused_layer import fused_layer_forward
+    from ..kernels.fused_routing import fused_route
+    from ..kernels.workspace import FusedWorkspace
+    layer_ws, layer_out = FusedWorkspace(x.device), torch.empty_like(x)
+    gate, bias = problem.gate, problem.bias
+    stages["route"] = lambda: fused_route(x, gate, bias, cfg, block_m=tiles.block_m,
+                                          workspace=layer_ws)
+    stages["layer"] = lambda: fused_layer_forward(x, gate, bias, packed, cfg, out=layer_out,
+                                                  workspace=layer_ws)
     timing = dict(warmup=warmup, iters=iters, flush_mib=flush_mib, device=x.device)
     return {"tiles": asdict(tiles), "plan": list(plan.kernels), "reasons": list(plan.reasons),
             "ms": {name: time_one(fn, **timing) for name, fn in stages.items()}}
