@@ -9,7 +9,9 @@ only then times them:
 
 * CUDA events around each call; the L2 cache flushed before every call by zeroing a buffer of
   ``--flush-mib`` (>= 256 MiB; the H200's L2 is 60 MB); paths alternated inside every iteration
-  (the order rotating), so clock drift and thermal state hit them alike;
+  (the order rotating), so clock drift and thermal state hit them alike; a path over ten times
+  slower than the others (a host-bound PyTorch loop) is timed in a group of its own, with fewer
+  calls where ``--iters`` would take over six seconds (its ``n`` says how many);
 * median and p90 over ``--iters`` per round, the best round's median reported;
 * bytes and FLOPs with docs/ANCHORS.md's floors: memory = weights of the experts that received a
   route + x + y over 4281 GB/s; compute = routes * (2*Dh*I*2 + 2*I*Dh) over 793 TFLOP/s.

@@ -25,13 +25,70 @@ from ..problems import same_bits
 from .cases import BenchCase, draw_problem, floors
 from .paths import BenchPath, check_paths, resolve
 
+# Paths slower than this many times the fastest of their group are timed in a group of their own
+PACE_RATIO = 10.0
+# Seconds of timed calls one slow group may take; its call count shrinks to fit (at least MIN_ITERS)
+SLOW_GROUP_SECONDS = 6.0
+MIN_ITERS = 5
+
+
 def time_paths(fns: dict[str, Callable[[], object]], *, warmup: int, iters: int,
                flush_mib: int, device: torch.device) -> dict[str, list[float]]:
-    """Per-call milliseconds of every path, alternated, with the L2 flushed before each call."""
+    """Per-call milliseconds of every path, alternated, with the L2 flushed before each call.
+
+    Paths alternate only with paths of their own pace (:func:`pace_groups`): between the calls
+    of a host-bound path taking hundreds of milliseconds the GPU idles and drops its clocks, and
+    a sub-millisecond kernel timed right after read 1.5-2x its true time on the H200. A group far
+    slower than ``iters`` calls allow gets fewer (``n`` in the summary), at least ``MIN_ITERS``."""
+    times: dict[str, list[float]] = {}
+    for group, group_iters in pace_groups(fns, iters=iters, device=device):
+        times.update(_time_group({n: fns[n] for n in group}, warmup=warmup, iters=group_iters,
+                                 flush_mib=flush_mib, device=device))
+    return {n: times[n] for n in fns}
+
+
+def _host_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """One call's wall time, the device synchronised before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def pace_groups(fns: dict[str, Callable[[], object]], *, iters: int,
+                device: torch.device) -> list[tuple[list[str], int]]:
+    """The paths in groups of like pace, fastest first, each with its timed call count: one call
+    each to compile and warm, one timed by the host; a path more than ``PACE_RATIO`` times
+    slower than its group's fastest starts a new group. A single path is one group."""
+    if len(fns) <= 1:
+        return [(list(fns), iters)]
+    pace = {}
+    for name, fn in fns.items():
+        fn()
+        pace[name] = max(_host_ms(fn, device), 1e-3)
+    groups: list[list[str]] = []
+    for name in sorted(fns, key=pace.__getitem__):
+        if groups and pace[name] <= PACE_RATIO * pace[groups[-1][0]]:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    sized = []
+    for group in groups:
+        per_iter_s = sum(pace[n] for n in group) / 1e3
+        fits = int(SLOW_GROUP_SECONDS / per_iter_s) if per_iter_s else iters
+        sized.append((group, min(iters, max(MIN_ITERS, fits))))
+    return sized
+
+
+def _time_group(fns: dict[str, Callable[[], object]], *, warmup: int, iters: int,
+                flush_mib: int, device: torch.device) -> dict[str, list[float]]:
     names = list(fns)
     cuda = device.type == "cuda"
     flush = torch.empty(flush_mib * 2**20, dtype=torch.uint8, device=device) if cuda else None
-    for _ in range(warmup):
+    for _ in range(warmup):  # right before the timed calls: the clocks are up when they start
         for name in names:
             fns[name]()
     times: dict[str, list[float]] = {n: [] for n in names}
