@@ -77,7 +77,7 @@ def audit_outcomes(rows: Iterable, *, impls: dict[str, str], backend: str,
         status = _STATUS.get(row.status)
         if status is None:
             continue
-        if row.subject == "section stopped":  # a section raised (Audit.guarded): its clause fails
+        if row.subject == "section stopped":  # a section raised (Audit.run_section): its clause fails
             clause = SECTION_CLAUSES.get(row.section, "suite-self-check")
             out.append(Outcome(SUITE, clause, "failed", row.section, row.result))
             continue

@@ -1,11 +1,12 @@
 """``python -m audit``: every auditor in one run, a summary table, report.md, report.json, plots.
 
-Sections, in order: backend self-check; the bounds' own mpmath validation; each implementation
-on each probe judged by :func:`audit.judge.judge` (error bounds first, then the FlashAttention-style
-baseline ratio and faithfulness to its precision model's emulation); each implementation's
-router judged by :func:`audit.router_judge.judge_router_call` (:mod:`audit.router_audit`); negative controls
-(broken emulations the bounds must flag); determinism; weight cache; discipline and
-``torch.compile`` (CUDA). Each produces rows with a status: ``pass``, ``FAIL``, ``info`` or
+:class:`Audit` runs the sections of :data:`audit.sections.SECTIONS` in order: backend
+self-check; the bounds' own mpmath validation; each implementation on each probe judged by
+:func:`audit.judge.judge` (error bounds first, then the FlashAttention-style baseline ratio and
+faithfulness to its precision model's emulation); each implementation's router judged by
+:func:`audit.router_judge.judge_router_call`; negative controls (broken emulations the bounds
+must flag); determinism; weight cache; discipline and ``torch.compile`` (CUDA); CUDA-graph
+replay (CUDA); coverage. Each yields rows with a status: ``pass``, ``FAIL``, ``info`` or
 ``skip``. Any ``FAIL`` makes the exit status 1.
 """
 from __future__ import annotations
@@ -22,29 +23,20 @@ import torch
 
 from magi_moe.backends import Backend, get_backend
 from magi_moe.config import preset
-from magi_moe.layer import MagiMoE
-from magi_moe.problems import Problem, cancelling_problem, run_poisoned
+from magi_moe.problems import Problem
 from magi_moe.implementation import Implementation
-from magi_moe.impls import BASELINE, REFERENCE
 from magi_moe.registry import get_implementation, implementations
 from magi_moe.text_tables import format_table
 from magi_moe.verdict import as_json as verdict_json, markdown as verdict_markdown, \
     text_lines as verdict_text, verdict_rows
 
-from . import mpcheck
-from .bounds import DEFAULT_FAILURE_PROBABILITY, BoundReport, compute_error_bounds, evaluate_bounds
-from .cache import audit_weight_cache
+from .bounds import DEFAULT_FAILURE_PROBABILITY, BoundReport
 from .clauses import audit_outcomes
-from .determinism import audit_determinism, audit_layer_determinism
-from .emulation import FP32ACC_EMULATION, negative_controls
-from .judge import judge
 from .plots import write_plots
 from .precision import precision_model
 from .probes import PROBE_DESCRIPTIONS, PROBES, probe_problem
-from .router_audit import section_routing
-from .selfcheck import run_selfcheck
-
-PASS, FAIL, INFO, SKIP = "pass", "FAIL", "info", "skip"
+from .rows import FAIL, INFO, PASS, SKIP, Row  # noqa: F401 -- also imported from here
+from .sections import SECTIONS, Section, section_named
 
 
 @dataclass
@@ -71,15 +63,6 @@ class AuditOptions:
         return self.tokens or (4096 if self.backend == "cuda" else 128)
 
 
-@dataclass
-class Row:
-    section: str
-    subject: str
-    status: str
-    result: str
-    data: dict = field(default_factory=dict)
-
-
 class Audit:
     """Runs the sections, prints progress, keeps every row for the report files."""
 
@@ -89,6 +72,7 @@ class Audit:
         self.device = torch.device(self.backend.device)
         self.rows: list[Row] = []
         self.bound_reports: list[tuple[str, str, str, BoundReport]] = []  # preset, probe, impl
+        self.problems: dict[str, Problem] = {}  # each preset's random problem (bounds section)
         self.stream = stream
         self.started = time.perf_counter()
 
@@ -96,12 +80,12 @@ class Audit:
     def say(self, text: str) -> None:
         print(text, file=self.stream or sys.stdout, flush=True)
 
-    def add(self, section: str, subject: str, status: str, result: str,
-            data: dict | None = None) -> Row:
-        row = Row(section, subject, status, result, data or {})
+    def record(self, row: Row) -> Row:
+        """Keep ``row`` for the report and print it as a progress line."""
         self.rows.append(row)
         elapsed = time.perf_counter() - self.started
-        self.say(f"[{elapsed:6.1f}s] {section:<12} {subject:<42} {status.upper():<5} {result}")
+        self.say(f"[{elapsed:6.1f}s] {row.section:<12} {row.subject:<42} {row.status.upper():<5} "
+                 f"{row.result}")
         return row
 
     @property
@@ -128,334 +112,49 @@ class Audit:
         return precision_model(impl.precision_for(config), config.dtype)
 
     # -- sections ------------------------------------------------------------------------------
+    def main_problem(self) -> Problem:
+        """The random problem of the first preset (built now if the bounds section had none)."""
+        name = self.options.resolved_presets()[0]
+        if name not in self.problems:
+            self.problems[name] = probe_problem("random", preset(name), self.options.resolved_tokens(),
+                                                seed=self.options.seed, device=self.device)
+        return self.problems[name]
+
     def run(self) -> int:
         o = self.options
         self.say(f"magi-moe audit: backend {self.backend.name} ({backend_description(self.backend)}), "
                  f"presets {o.resolved_presets()}, {o.resolved_tokens()} tokens, seed {o.seed}")
-        self.guarded("selfcheck", self.section_selfcheck)
-        if o.mp_validation:
-            self.guarded("mpcheck", self.section_mpcheck)
-        problems = self.guarded("bounds", self.section_bounds) or {}
-        self.guarded("routing", section_routing, self)
-        if o.controls:
-            self.guarded("controls", self.section_controls)
-        self.guarded("determinism", self.section_determinism, problems)
-        self.guarded("cache", self.section_cache)
-        self.guarded("discipline", self.section_discipline, problems)
-        self.guarded("graphs", self.section_graphs)
-        self.guarded("coverage", self.section_coverage)
+        for section in SECTIONS:
+            self.run_section(section)
         self.write()
         if self.failed:
             return 1
         return 3 if self.vacuous else 0
 
-    def guarded(self, section: str, run, *args):
-        """Run one section; an error escaping it (an outside ``supports()`` or layer factory that
-        raises, say) is that section's FAIL row, and the sections after it and the report still
-        run: an audit never loses what it has finished."""
+    def run_section(self, section: Section | str) -> None:
+        """Record the rows of one section (:mod:`audit.sections`) as it yields them. An error
+        escaping it (an outside ``supports()`` or layer factory that raises, say) is that
+        section's FAIL row, and the sections after it and the report still run: an audit never
+        loses what it has finished."""
+        if isinstance(section, str):
+            section = section_named(section)
+        if section.option and not getattr(self.options, section.option):
+            return
+        if section.cuda_only and self.device.type != "cuda":
+            self.record(Row(section.name, section.cuda_only, SKIP, "CUDA only"))
+            return
         try:
-            return run(*args)
+            for row in section.run(self):
+                self.record(row)
         except Exception as exc:  # noqa: BLE001 -- reported as a failure, never swallowed
             text = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            self.add(section, "section stopped", FAIL, f"raised {text}",
-                     {"traceback": traceback.format_exc()})
-            return None
-
-    def section_graphs(self) -> None:
-        """CUDA-graph replay after each weight-change route, on each implementation's own layer
-        (:mod:`audit.graphs`): graph-safe, stale (a finding unless the layer promises a
-        recapture, which must then work) or refused."""
-        if self.device.type != "cuda":
-            self.add("graphs", "CUDA-graph replay", SKIP, "CUDA only")
-            return
-        from .graphs import audit_graph_replay
-
-        config = preset("small")
-        for impl in self.selected_impls():
-            why = self.runnable_here(impl) or impl.supports(config)
-            if why:
-                self.add("graphs", impl.name, SKIP, why)
-                continue
-
-            def show(r, impl=impl):
-                # a layer whose forward cannot be captured at all is reported, not failed
-                status = INFO if r.detail.startswith("capture failed") else (PASS if r.ok else FAIL)
-                self.add("graphs", f"{impl.name}: {r.route}/{r.parameter}", status,
-                         f"{r.status} (promised {r.promised}): {r.detail}", r.to_dict())
-
-            audit_graph_replay(impl.layer, config, device=self.device, seed=self.options.seed,
-                               on_result=show)
+            self.record(Row(section.name, "section stopped", FAIL, f"raised {text}",
+                            {"traceback": traceback.format_exc()}))
 
     @property
     def vacuous(self) -> bool:
+        """No implementation under test ran (the coverage section's skip rows): exit status 3."""
         return any(r.section == "coverage" and r.status == SKIP for r in self.rows)
-
-    def section_coverage(self) -> None:
-        """Which implementations under test were audited at all: an audit in which none ran
-        (or an asked-for one never ran) audited nothing, and says why."""
-        ran = {r.subject.split(" @ ")[0] for r in self.rows if r.section == "bounds" and r.status in (PASS, FAIL)}
-        oracles = {REFERENCE.name, BASELINE.name}
-        asked = self.selected_impls() if self.options.impls else [
-            i for i in self.selected_impls() if i.name not in oracles]
-        skipped = {r.subject.split(" @ ")[0]: r.result for r in self.rows
-                   if r.section == "bounds" and r.status == SKIP}
-        missing = [i for i in asked if i.name not in ran]
-        if self.options.impls:
-            for impl in asked:
-                if impl.name in ran:
-                    self.add("coverage", impl.name, PASS, "audited")
-        elif ran - oracles:
-            self.add("coverage", "implementations under test", PASS,
-                     f"audited: {', '.join(sorted(ran - oracles))}")
-        if missing and (self.options.impls or not (ran - oracles)):
-            status = INFO if self.options.allow_no_kernels else SKIP
-            for impl in missing:
-                self.add("coverage", impl.name, status,
-                         f"NOT AUDITED: {skipped.get(impl.name, 'no bound check ran')}")
-
-    def section_selfcheck(self) -> None:
-        backend = self.backend
-        if backend.name == "cpu" and get_backend("interpret").available:
-            backend = get_backend("interpret")
-        checks = run_selfcheck(backend, seed=self.options.seed)
-        for c in checks:
-            self.add("selfcheck", f"{backend.name}: {c.name}", c.status, c.detail)
-
-    def section_mpcheck(self) -> None:
-        for c in mpcheck.iter_checks(seed=self.options.seed, quick=True):
-            self.add("mpcheck", c.name, PASS if c.ok else FAIL, c.detail, {"name": c.name})
-
-    def section_bounds(self) -> dict[str, Problem]:
-        o = self.options
-        impls = self.selected_impls()
-        baseline = BASELINE
-        random_problems = {}
-        runnable = []
-        for impl in impls:
-            why = self.runnable_here(impl)
-            if why:
-                self.add("bounds", impl.name, SKIP, why)
-            else:
-                runnable.append(impl)
-        for preset_name in o.resolved_presets():
-            # each implementation at the preset, or at the nearest widths its shape rule accepts
-            groups: dict = {}
-            for impl in runnable:
-                config = impl.shapes.nearest(preset(preset_name))
-                why = impl.supports(config)
-                if why:
-                    self.add("bounds", f"{impl.name} @ {preset_name}", SKIP, f"unsupported: {why}")
-                    continue
-                groups.setdefault(config, []).append(impl)
-            for config, here in groups.items():
-                label = preset_name if config == preset(preset_name) else (
-                    f"{preset_name}(Dh={config.head_dim},I={config.intermediate_size})")
-                self._bounds_for(config, label, here, baseline, random_problems)
-        return random_problems
-
-    def _bounds_for(self, config, label, here, baseline, random_problems) -> None:
-        o = self.options
-        models = {i.name: self.model_for(i, config) for i in here}
-        for probe in o.probes:
-            problem = probe_problem(probe, config, o.resolved_tokens(), seed=o.seed,
-                                    device=self.device)
-            if probe == "random":
-                random_problems.setdefault(label.split("(")[0], problem)
-            bounds = compute_error_bounds(problem.x, problem.table, problem.weights, config,
-                                          set(models.values()),
-                                          failure_probability=o.failure_probability)
-            base_out = run_poisoned(baseline, problem)
-            for impl in here:
-                self._check_bounds(impl, problem, bounds[models[impl.name].name], base_out,
-                                   label, probe)
-        return random_problems
-
-    def _check_bounds(self, impl, problem, bounds, base_out, preset_name, probe) -> None:
-        start = time.perf_counter()
-        try:
-            out = run_poisoned(impl, problem)
-        except Exception as exc:  # noqa: BLE001 -- a crash is a finding
-            self.add("bounds", f"{impl.name} @ {preset_name}/{probe}", FAIL,
-                     f"{type(exc).__name__}: {exc}")
-            return
-        seconds = time.perf_counter() - start
-        verdict = judge(out, problem, impl, bounds=bounds, baseline=base_out)
-        report = verdict.bound_report
-        data = {"judge": verdict.metrics, "text": verdict.text, "seconds": seconds,
-                "preset": preset_name, "probe": probe}
-        if report is None:  # not finite: the judge looked no further
-            result = verdict.deciding.text
-        else:
-            self.bound_reports.append((preset_name, probe, impl.name, report))
-            data["bounds"] = report.to_dict()
-            result = (f"{report.model}: err/bound max {report.worst_max_ratio:.3g} worst-case, "
-                      f"{report.prob_max_ratio:.3g} probabilistic; rel L2 {report.relative_l2:.2e}")
-            versus = verdict.check("baseline")  # absent for fp32 inputs (see audit.judge)
-            if versus is not None:
-                result += f"; vs {BASELINE.name} {versus.figures['baseline_ratio']:.2f}x"
-            faithful = verdict.check("faithfulness")
-            if faithful is not None and "within_one_ulp" in faithful.figures:
-                result += f"; {faithful.figures['within_one_ulp']:.2%} within one ulp of its emulation"
-        if not verdict.ok:
-            result += f" -- FAILED on {verdict.criterion}: {verdict.deciding.text}"
-        self.add("bounds", f"{impl.name} @ {preset_name}/{probe}", PASS if verdict.ok else FAIL,
-                 result, data)
-
-    def section_controls(self) -> None:
-        """Broken emulations on the CPU at the small preset: each must be flagged on some probe."""
-        config = preset("small")
-        problems = {p: probe_problem(p, config, 128, seed=self.options.seed) for p in PROBES}
-        correct = FP32ACC_EMULATION
-        for impl in (correct,) + negative_controls():
-            flagged = []
-            worst = 0.0
-            for probe, problem in problems.items():
-                report = evaluate_bounds(run_poisoned(impl, problem),
-                                         _bounds_cache(problem, "bf16-fp32acc",
-                                                       self.options.failure_probability),
-                                         label=impl.name)
-                worst = max(worst, report.prob_max_ratio)
-                if not report.ok:
-                    flagged.append(f"{probe} ({report.prob_max_ratio:.3g})")
-            if impl is correct:
-                status = PASS if not flagged else FAIL
-                result = (f"passes every probe (max err/prob. bound {worst:.3g})" if not flagged
-                          else f"flagged on {', '.join(flagged)}")
-            else:
-                status = PASS if flagged else FAIL
-                result = (f"flagged on {', '.join(flagged)}" if flagged else
-                          f"NOT flagged (max err/prob. bound {worst:.3g}): the bounds lost their power")
-            self.add("controls", f"{impl.name}: {impl.description}", status, result,
-                     {"description": impl.description})
-
-    def main_problem(self, problems: dict[str, Problem]) -> Problem:
-        """The random problem of the first preset (built now if the bounds section had none)."""
-        name = self.options.resolved_presets()[0]
-        if name not in problems:
-            problems[name] = probe_problem("random", preset(name), self.options.resolved_tokens(),
-                                           seed=self.options.seed, device=self.device)
-        return problems[name]
-
-    def section_determinism(self, problems: dict[str, Problem]) -> None:
-        o = self.options
-        if self.device.type == "cuda":
-            problem = self.main_problem(problems)
-            runs = o.determinism_runs or 20
-        else:  # the interpreter runs programs one after another: a small input shows as much
-            problem = probe_problem("random", preset("tiny"), 64, seed=o.seed)
-            runs = o.determinism_runs or 3
-        for impl in self.selected_impls():
-            config = impl.shapes.nearest(problem.config)  # inside the declared shapes
-            why = self.runnable_here(impl) or impl.supports(config)
-            if why:
-                self.add("determinism", impl.name, SKIP, why)
-                continue
-            mine = problem if config == problem.config else probe_problem(
-                "random", config, problem.num_tokens, seed=o.seed, device=self.device)
-            report = audit_determinism(impl, mine, runs=runs)
-            self._determinism_row(impl.name, report, runs)
-            cancelling = cancelling_problem(config, max(64, problem.num_tokens // 4), seed=o.seed,
-                                            device=self.device)
-            if impl.supports(cancelling.config) is None:  # where a changing sum order shows
-                report = audit_determinism(impl, cancelling, runs=runs,
-                                           label=f"{impl.name} (cancelling sums)")
-                self._determinism_row(report.label, report, runs)
-            if impl.deterministic:  # the implementation's own layer: routing, cache and kernels
-                from .cache import draw_state
-
-                layer = impl.layer(config, draw_state(config, o.seed, self.device), self.device)
-                report = audit_layer_determinism(layer, mine.x, runs=runs, declared=True,
-                                                 label=f"{impl.name}.layer()")
-                self._determinism_row(report.label, report, runs)
-
-    def _determinism_row(self, subject: str, report, runs: int) -> None:
-        status = (PASS if report.ok else FAIL) if report.declared_deterministic else INFO
-        self.add("determinism", subject, status,
-                 f"{report.differing}/{report.elements} elements differ over {runs} runs "
-                 f"(max |diff| {report.max_abs_spread:.3g})"
-                 + ("" if report.declared_deterministic else "; not declared deterministic"),
-                 report.to_dict())
-
-    def section_cache(self) -> None:
-        """The weight-cache audit (:mod:`audit.cache`) on each selected implementation's own
-        layer (``impl.layer``) that shows a cache or whose implementation declares
-        ``weight_cache``."""
-        from .cache import SKIPPED, cache_protocol, draw_state
-
-        o = self.options
-        # Cache behaviour does not depend on the shape; fresh production layers would cost
-        # seconds each to draw, and interpreted kernels pay per operation.
-        sizes = ("small", "tiny") if self.device.type == "cuda" else ("tiny", "small")
-        audited = 0
-        for impl in self.selected_impls():
-            declared = "weight_cache" in impl.capabilities
-            config = next((preset(n) for n in sizes if impl.supports(preset(n)) is None), None)
-            why = self.runnable_here(impl) or (None if config else impl.supports(preset(sizes[0])))
-            if why:
-                if declared:
-                    self.add("cache", impl.name, SKIP, why)
-                continue
-            try:
-                layer = impl.layer(config, draw_state(config, o.seed, self.device), self.device)
-                shows = cache_protocol(layer).offered
-                del layer
-            except Exception as exc:  # noqa: BLE001 -- reported, the audit goes on
-                self.add("cache", impl.name, FAIL, f"impl.layer(...) raised {type(exc).__name__}: {exc}")
-                continue
-            if not (declared or shows):
-                continue
-            audited += 1
-
-            def show(r, impl=impl):
-                status = SKIP if r.status == SKIPPED else (PASS if r.ok else FAIL)
-                self.add("cache", f"{impl.name}: {r.route}/{r.parameter}", status,
-                         f"{r.status}: {r.detail}", r.to_dict())
-
-            report = audit_weight_cache(impl, config=config, device=self.device, label=impl.name,
-                                        seed=o.seed, on_result=show)
-            if not report.measures_packs:
-                self.add("cache", impl.name, INFO, "its layer offers no pack count (layer.pack_count "
-                         "or layer.weight_cache.pack_count): repacks not measured")
-        if not audited:
-            self.add("cache", "weight cache", SKIP,
-                     "no selected implementation's layer shows a cache or declares weight_cache")
-
-    def section_discipline(self, problems: dict[str, Problem]) -> None:
-        if self.device.type != "cuda":
-            self.add("discipline", "host sync / allocations / compile", SKIP, "CUDA only")
-            return
-        from .discipline import audit_compile, audit_discipline, audit_layer_discipline
-        from .cache import draw_state
-
-        problem = self.main_problem(problems)
-        for impl in self.selected_impls():
-            if self.runnable_here(impl) or impl.is_oracle:
-                continue
-            why = impl.supports(problem.config)
-            if why:
-                self.add("discipline", impl.name, SKIP, f"unsupported: {why}")
-                continue
-            report = audit_discipline(impl, problem)
-            status = (PASS if report.ok else FAIL) if report.declares_no_host_sync else INFO
-            self.add("discipline", impl.name, status, report.summary().split(": ", 1)[1],
-                     report.to_dict())
-        config = problem.config
-        state = draw_state(config, self.options.seed, self.device)
-        own_layer = lambda impl: impl.layer(config, state, self.device)  # noqa: E731
-        for impl in self.selected_impls():
-            if "no_host_sync" in impl.capabilities and not self.runnable_here(impl):
-                report = audit_layer_discipline(
-                    lambda impl=impl: own_layer(impl), num_tokens=problem.num_tokens,
-                    seed=self.options.seed, label=f"{impl.name}.layer()", config=config)
-                self.add("discipline", report.label, PASS if report.ok else FAIL,
-                         report.summary().split(": ", 1)[1], report.to_dict())
-        factories = {"MagiMoE(default dispatch)": lambda: MagiMoE(config, device=self.device)}
-        for impl in self.selected_impls():
-            if "weight_cache" in impl.capabilities and not self.runnable_here(impl):
-                factories[f"{impl.name}.layer()"] = lambda impl=impl: own_layer(impl)
-        for label, factory in factories.items():
-            report = audit_compile(factory, label=label, seed=self.options.seed, config=config)
-            self.add("compile", label, PASS if report.ok else FAIL, report.detail)
 
     # -- files ---------------------------------------------------------------------------------
     def outcomes(self):
@@ -507,18 +206,6 @@ class Audit:
                  f"report in {out}/ ({', '.join(['report.md', 'report.json', *plots])})")
         if plots_missing:
             self.say(plots_missing)
-
-
-_BOUNDS: dict = {}
-
-
-def _bounds_cache(problem: Problem, model: str, failure_probability: float):
-    key = (id(problem), model)
-    if key not in _BOUNDS or _BOUNDS[key][0] is not problem:
-        _BOUNDS[key] = (problem, compute_error_bounds(
-            problem.x, problem.table, problem.weights, problem.config, [model],
-            failure_probability=failure_probability)[model])
-    return _BOUNDS[key][1]
 
 
 def backend_description(backend: Backend) -> str:

@@ -21,7 +21,7 @@ import torch
 
 from magi_moe.config import MoEConfig
 
-__all__ = ["ROUTER_PROBES", "ROUTER_PROBE_DESCRIPTIONS", "router_probe"]
+__all__ = ["ROUTER_PROBES", "ROUTER_PROBE_DESCRIPTIONS", "boundary_bias", "router_probe"]
 
 ROUTER_PROBE_DESCRIPTIONS = {
     "random": "logits ~ N(0,1), small bias N(0, 0.05^2)",
@@ -61,11 +61,7 @@ def router_probe(probe: str, config: MoEConfig, num_tokens: int, *, seed: int = 
         bias = torch.gather(levels, 1, source).reshape(HE)
     elif probe == "boundary":
         gate = torch.zeros(HE, Dh)
-        bias = torch.zeros(HE)
-        for h in range(H):
-            order = torch.randperm(E, generator=gen) + h * E
-            bias[order[:K - 1]] = 0.5
-            bias[order[K - 1:K + 2]] = 0.25
+        bias = boundary_bias(H, E, K, tied=3, gen=gen)
     elif probe == "nan":
         for s in range(0, S, 4):
             h = int(torch.randint(0, H, (1,), generator=gen))
@@ -81,3 +77,16 @@ def router_probe(probe: str, config: MoEConfig, num_tokens: int, *, seed: int = 
         first = torch.arange(H) * Dh
         x[:, first] = torch.where(torch.arange(S) % 2 == 0, 1.0, 26.0)[:, None]
     return x.to(dtype).to(device), gate.to(device), bias.to(device)
+
+
+def boundary_bias(num_heads: int, num_experts: int, top_k: int, *, tied: int,
+                  gen: torch.Generator) -> torch.Tensor:
+    """A selection bias ``[H*E]`` that puts, in each head, K-1 experts (at random) clearly first
+    (0.5) and ``tied`` more level for the K-th place (0.25; fewer where the head has fewer experts
+    left), the rest at 0: with equal scores the tie rule decides the last choice."""
+    bias = torch.zeros(num_heads * num_experts)
+    for h in range(num_heads):
+        order = torch.randperm(num_experts, generator=gen) + h * num_experts
+        bias[order[:top_k - 1]] = 0.5
+        bias[order[top_k - 1:top_k - 1 + tied]] = 0.25
+    return bias

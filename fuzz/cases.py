@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from magi_moe.audit.router_probes import boundary_bias
 from magi_moe.config import MoEConfig
 from magi_moe.problems import Problem, cancelling_problem, routes_to  # noqa: F401 (re-exported)
 from magi_moe.routing import RouteTable, Routes, build_route_table, route
@@ -383,11 +384,7 @@ def build_router_inputs(case: TieCase, device: str | torch.device = "cpu"):
         bias = torch.zeros(HE)
     if kind == "boundary":
         # per head: K-1 winners, then (at least) two experts tied for the K-th place, rest below
-        bias = torch.zeros(HE)
-        for h in range(H):
-            perm = torch.randperm(E, generator=gen) + h * E
-            bias[perm[: K - 1]] = 0.5
-            bias[perm[K - 1: K + 1]] = 0.25
+        bias = boundary_bias(H, E, K, tied=2, gen=gen)
     if kind == "nan-bias":
         bias = bias_levels.clone()
         flags = torch.rand(HE, generator=gen)

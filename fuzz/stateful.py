@@ -250,6 +250,14 @@ class WeightSwapMachine(RuleBasedStateMachine):
             write(t, new.clone())
         return _group(name)
 
+    def _guarded(self, write):
+        """``write`` under :meth:`_mutating`: an in-place write to a parameter that requires
+        grad, or to an inference tensor, needs it."""
+        def guarded(t, new):
+            with self._mutating():
+                write(t, new)
+        return guarded
+
     def _write_experts(self, dtype: torch.dtype) -> None:
         """New expert weights (values of ``dtype``) into the layer as its tensors are now."""
         current = self.layer.state_dict()
@@ -289,10 +297,7 @@ class WeightSwapMachine(RuleBasedStateMachine):
         return _group(name)
 
     def _copy(self, name):
-        def write(t, new):
-            with self._mutating():
-                t.copy_(new)
-        return self._write_each(name, write)
+        return self._write_each(name, self._guarded(lambda t, new: t.copy_(new)))
 
     def _load_state_dict(self, name):
         self.layer.load_state_dict(self._state_dict_with(name))
@@ -311,10 +316,7 @@ class WeightSwapMachine(RuleBasedStateMachine):
         return self._write_each(name, lambda t, new: t.data.copy_(new))
 
     def _set_storage(self, name):
-        def write(t, new):
-            with self._mutating():
-                t.set_(new)
-        return self._write_each(name, write)
+        return self._write_each(name, self._guarded(lambda t, new: t.set_(new)))
 
     def _mmap_checkpoint(self, name):
         if self.tmpdir is None:

@@ -106,3 +106,31 @@ def test_an_audit_that_audited_nothing_exits_3(tmp_path, capsys):
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["ok"] is False and data["vacuous"] is True
     assert main(argv + ["--allow-no-kernels"]) == 0
+
+
+def test_a_section_that_raises_keeps_the_rows_it_found(tmp_path):
+    """A section's rows are recorded as it yields them (and, through ``rows_as_found``, as an
+    auditor reports them by callback): a crash after some rows keeps them and adds one FAIL row
+    under the section's name; a section needing an option that is off adds nothing."""
+    import io
+
+    from magi_moe.audit.report import Audit, AuditOptions
+    from magi_moe.audit.rows import FAIL, PASS, Row
+    from magi_moe.audit.sections import SECTIONS, Section
+    from magi_moe.audit.sections.streaming import rows_as_found
+
+    def auditor(on_result):
+        on_result("first route")
+        raise RuntimeError("auditor exploded")
+
+    def run(audit):
+        yield Row("made-up", "one", PASS, "yielded before the crash")
+        yield from rows_as_found(auditor, lambda found: Row("made-up", found, PASS, "reported"))
+
+    audit = Audit(AuditOptions(out=tmp_path, controls=False), stream=io.StringIO())
+    audit.run_section(Section("made-up", run))
+    audit.run_section(Section("made-up", run, option="controls"))
+    assert [(r.subject, r.status) for r in audit.rows] == [
+        ("one", PASS), ("first route", PASS), ("section stopped", FAIL)]
+    assert audit.rows[-1].result == "raised RuntimeError: auditor exploded"
+    assert len({s.name for s in SECTIONS}) == len(SECTIONS)

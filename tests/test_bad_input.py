@@ -49,6 +49,7 @@ from magi_moe.layer import MagiMoE  # noqa: E402
 from magi_moe.problems import random_problem, relative_l2, routes_to  # noqa: E402
 from magi_moe.registry import get_implementation  # noqa: E402
 from magi_moe.routing import Routes, RouteTable, build_route_table  # noqa: E402
+from magi_moe.tests.second_device import other_device  # noqa: E402
 from magi_moe.weights import ExpertWeights  # noqa: E402
 
 CFG = preset("tiny")  # H=2, Dh=32, E=8, K=2, I=64
@@ -292,10 +293,8 @@ def test_expert_call_rejects_bad_input(impl_backend, row: ExpertRow):
 @pytest.mark.clause("input-checks")
 @pytest.mark.needs("input_checks")
 def test_out_on_another_device_is_refused(impl_backend):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a second device")
+    other = other_device(impl_backend.device)
     call = _expert_call(impl_backend.impl, impl_backend.device)
-    other = "cpu" if impl_backend.device == "cuda" else "cuda"
     out = call.out.to(other)
     before = snapshot({**call.tensors(), "out": out})
     raises(ValueError, r"out must be on device", lambda: impl_backend.impl(
@@ -494,10 +493,8 @@ def test_layer_rejects_bad_input_and_keeps_its_state(layer_backend, row: LayerRo
 
 
 def test_layer_refuses_input_on_another_device(layer_backend):
-    if not torch.cuda.is_available():
-        pytest.skip("needs a second device")
+    other = other_device(BACKENDS[layer_backend].device)  # make_layer's device
     layer = make_layer(layer_backend)
-    other = "cpu" if layer.gate.device.type == "cuda" else "cuda"
     before = snapshot(layer_state(layer))
     raises(ValueError, r"x must be on device", lambda: layer(
         torch.randn(S, CFG.hidden_size, device=other).to(CFG.dtype)))

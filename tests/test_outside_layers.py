@@ -149,7 +149,7 @@ def test_audit_report_audits_the_outside_layers(tmp_path, restore_registry):
              ("VERSION_KEYED_LAYER", "CONTENT_CHECKED_LAYER", "UNCACHED_LAYER")]
     with open(tmp_path / "log.txt", "w") as log:
         audit = Audit(AuditOptions(impls=names, out=tmp_path), stream=log)
-        audit.section_cache()
+        audit.run_section("cache")
     rows = [r for r in audit.rows if r.section == "cache"]
     failed = {r.subject for r in rows if r.status == FAIL}
     assert failed == {f"{VERSION_KEYED_LAYER.name}: {route}/{p}"

@@ -15,7 +15,6 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from magi_moe.audit.report import Audit, AuditOptions
-from magi_moe.audit.router_audit import section_routing
 from magi_moe.audit.router_judge import float64_routes, judge_router, judge_router_call
 from magi_moe.audit.router_probes import ROUTER_PROBES, router_probe
 from magi_moe.backends import BACKENDS
@@ -194,7 +193,7 @@ def test_the_example_and_magi_moes_routers_pass_the_conformance_test(config_name
 def _routing_rows(spec: str, tmp_path) -> list:
     audit = Audit(AuditOptions(impls=[spec], presets=["tiny"], tokens=24, out=tmp_path),
                   stream=io.StringIO())
-    section_routing(audit)
+    audit.run_section("routing")
     return [r for r in audit.rows if r.section == "routing"]
 
 

@@ -15,6 +15,7 @@ import torch
 from magi_moe.backends import BACKENDS
 from magi_moe.bench.cases import ANCHOR_CASES, BenchCase, draw_problem, floors
 from magi_moe.bench.paths import make_paths
+from magi_moe.tests.benchmarks.cuda_events import device_median_ms
 
 pytestmark = pytest.mark.benchmark
 
@@ -47,26 +48,10 @@ def test_anchor_case(benchmark, gpu_problems, heads, tokens, path):
     _require("cuda")
     problem = gpu_problems(heads, tokens)
     fn = make_paths(problem, (path,))[path]
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    events = []
-
-    def setup():
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        events.append((start, end))
-
-    def run():
-        start, end = events[-1]
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-
     benchmark.group = f"H={heads},S={tokens}"
-    benchmark.pedantic(run, setup=setup, rounds=30, iterations=1, warmup_rounds=5)
-    device_ms = sorted(s.elapsed_time(e) for s, e in events[5:])
+    median_ms = device_median_ms(benchmark, fn, "cuda", FLUSH_BYTES, rounds=30, warmup=5)
     fl = floors(problem)
-    benchmark.extra_info.update(device_median_ms=device_ms[len(device_ms) // 2],
+    benchmark.extra_info.update(device_median_ms=median_ms,
                                 memory_floor_ms=fl["memory_floor_ms"],
                                 compute_floor_ms=fl["compute_floor_ms"])
 

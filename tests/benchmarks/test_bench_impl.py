@@ -25,6 +25,7 @@ from magi_moe.bench.cases import ANCHOR_CASES, BenchCase, draw_problem, floors
 from magi_moe.bench.paths import check_path, paths_of
 from magi_moe.bench.timing import timer_label
 from magi_moe.implementation import UnsupportedShape
+from magi_moe.tests.benchmarks.cuda_events import device_median_ms
 
 pytestmark = [pytest.mark.benchmark, pytest.mark.kernels_only, pytest.mark.clause("speed")]
 
@@ -80,26 +81,9 @@ def test_impl_anchor_case(benchmark, impl_backend, problems, heads, tokens, leve
     case = BenchCase(heads, tokens)
     problem, fn, check = _checked_path(impl_backend, case, level, problems)
     device = torch.device(impl_backend.device)
-    flush = torch.empty(FLUSH_MIB * 2**20, dtype=torch.uint8, device=device)
-    events = []
-
-    def setup():
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        events.append((start, end))
-
-    def run():
-        start, end = events[-1]
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-
-    warmup = 5
     _record(benchmark, impl_backend, case, level, problem, check, device)
-    benchmark.pedantic(run, setup=setup, rounds=30, iterations=1, warmup_rounds=warmup)
-    device_ms = sorted(s.elapsed_time(e) for s, e in events[warmup:])
-    benchmark.extra_info["device_median_ms"] = device_ms[len(device_ms) // 2]
+    benchmark.extra_info["device_median_ms"] = device_median_ms(
+        benchmark, fn, device, FLUSH_MIB * 2**20, rounds=30, warmup=5)
 
 
 @pytest.mark.backends("cpu", "interpret")

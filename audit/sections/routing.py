@@ -7,25 +7,28 @@ shows each.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Iterator
+
 from magi_moe.config import preset
 
-from .router_judge import judge_router_call
-from .router_probes import ROUTER_PROBES, router_probe
+from ..router_judge import judge_router_call
+from ..router_probes import ROUTER_PROBES, router_probe
+from ..rows import FAIL, PASS, SKIP, Row
+
+if TYPE_CHECKING:
+    from ..report import Audit
 
 SECTION = "routing"
 MAX_TOKENS = 256  # the float64 router keeps [S, H, E] tensors; routing faults show at any S
 
 
-def section_routing(audit) -> None:
-    """Add the routing rows to ``audit`` (an :class:`audit.report.Audit`)."""
-    from .report import FAIL, PASS, SKIP
-
+def run(audit: Audit) -> Iterator[Row]:
     o = audit.options
     tokens = min(o.resolved_tokens(), MAX_TOKENS)
     for impl in audit.selected_impls():
         why = audit.runnable_here(impl)
         if why:
-            audit.add(SECTION, impl.name, SKIP, why)
+            yield Row(SECTION, impl.name, SKIP, why)
             continue
         for preset_name in o.resolved_presets():
             for score_func in ("sigmoid", "softmax"):
@@ -33,7 +36,7 @@ def section_routing(audit) -> None:
                 config = impl.shapes.nearest(preset(preset_name).replace(score_func=score_func))
                 why = impl.supports(config)
                 if why:
-                    audit.add(SECTION, subject, SKIP, f"unsupported: {why}")
+                    yield Row(SECTION, subject, SKIP, f"unsupported: {why}")
                     continue
                 # head locality on the first and last head: each one is a rerun of the router
                 heads = tuple(sorted({0, config.num_heads - 1}))
@@ -52,9 +55,9 @@ def section_routing(audit) -> None:
                         first = next(c for c in verdict.checks if not c.ok)
                         failures.append(f"{probe}: {', '.join(verdict.failed)} ({first.text})")
                 if failures:
-                    audit.add(SECTION, subject, FAIL, "; ".join(failures), data)
+                    yield Row(SECTION, subject, FAIL, "; ".join(failures), data)
                 else:
-                    audit.add(SECTION, subject, PASS,
+                    yield Row(SECTION, subject, PASS,
                               f"{len(ROUTER_PROBES)} probes x {tokens} tokens: choices, tie rule, NaN "
                               f"last, weights and head locality as the float64 router "
                               f"({near_ties} near-tie pairs within fp32 rounding)", data)
