@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"comma-separated properties (default: all): {', '.join(PROPERTIES)} (python -m fuzz "
                         "list describes them), and weight_swaps (the weight-swap state machine)")
     p.add_argument("--round-examples", type=int, default=25, help="examples per round of one test")
+    p.add_argument("--first-round-examples", type=int, default=1,
+                   help="examples of every target's first round, whatever the budget and the "
+                        "machine's speed (default 1; rounds then double up to --round-examples)")
     p.add_argument("--case-timeout", type=finite_positive, default=600.0,
                    help="seconds after which a case is a hang")
     p.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="fuzz test files")
@@ -119,6 +122,9 @@ def refused_arguments(args) -> str | None:
         return f"--workers must be >= 0, got {args.workers}"
     if args.round_examples < 1:
         return f"--round-examples must be >= 1, got {args.round_examples}"
+    if not 1 <= args.first_round_examples <= args.round_examples:
+        return (f"--first-round-examples must be between 1 and --round-examples "
+                f"({args.round_examples}), got {args.first_round_examples}")
     known = (*PROPERTIES, *STATE_MACHINES)
     for name in (p.strip() for group in args.properties for p in group.split(",")):
         if name and name not in known:
@@ -152,6 +158,7 @@ def build_pytest_command(args, *, backend: str, out: Path, start: float, seed: i
            "--fuzz-budget", repr(float(args.budget_seconds)), "--fuzz-seed", str(seed),
            "--fuzz-properties", props, "--fuzz-profile", args.profile,
            "--fuzz-round-examples", str(args.round_examples),
+           "--fuzz-first-round-examples", str(getattr(args, "first_round_examples", 1)),
            "--fuzz-case-timeout", repr(float(args.case_timeout)), "--fuzz-gpus", str(gpus),
            "--fuzz-device", "cuda" if backend == "cuda" else "cpu",
            "--junitxml", str(out / "junit.xml"), "-o", "junit_family=xunit2"]

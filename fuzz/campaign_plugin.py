@@ -59,6 +59,8 @@ def pytest_addoption(parser):
     group.addoption("--fuzz-properties", default="", help="comma-separated properties (default: all)")
     group.addoption("--fuzz-profile", default="nightly", help="profile the campaign's profile derives from")
     group.addoption("--fuzz-round-examples", type=int, default=25, help="examples per round")
+    group.addoption("--fuzz-first-round-examples", type=int, default=1,
+                    help="examples of every target's first round, whatever the time left")
     group.addoption("--fuzz-case-timeout", type=float, default=600.0, help="seconds before a case counts as hung")
     group.addoption("--fuzz-gpus", type=int, default=0, help="spread workers over this many GPUs")
     group.addoption("--fuzz-single-round", action="store_true", help="one round per item (rerun)")
@@ -310,7 +312,8 @@ def pytest_pyfunc_call(pyfuncitem):
     fn = pyfuncitem.obj
     kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
     rounds, cases_before, began = 0, rec.cases_started(), now
-    examples = 1
+    full = max(1, full)
+    examples = max(1, min(full, config.getoption("--fuzz-first-round-examples")))
     first_failure = None
     rec.clear_found()
     rec.set_current_item(pyfuncitem.nodeid)
