@@ -128,7 +128,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         """The launches of ``kernels`` that ``tiles`` plan here; an error where the plan falls
         back, so a candidate is timed only as itself."""
         plan = P.plan_fused(cfg, S, R, tiles, facts, packed, schedule_built=True,
-                            shared_memory_of=compiled_shared_memory(call)
+                            shared_memory_of=compiled_shared_memory(packed, cfg)
                             if device.type == "cuda" else None)
         if plan.reasons:
             raise RuntimeError("cannot run here: " + "; ".join(plan.reasons))
@@ -172,7 +172,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
             lambda: T.launch_gather_rows(problem.x, table, sched, xg, cfg), **timing)
         act = torch.empty(sched.max_blocks * bm, cfg.intermediate_size, dtype=cfg.dtype,
                           device=device)
-        call = FusedCall(problem.x, table, packed, cfg, ws, sched, rows, slot_route, out, act)
+        call = FusedCall(problem.x, table, packed, cfg, ws, sched, rows, slot_route, out, act, xg)
         want_act = None
         for cand in chosen(GATE_UP_CANDIDATES, "gate_up"):
             tiles = FusedTiles(**cand).fitted(cfg)

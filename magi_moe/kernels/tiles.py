@@ -363,3 +363,11 @@ def choose_routing_tiles(config: MoEConfig, device: torch.device) -> RoutingTile
     if device.type != "cuda":
         return INTERPRETER_ROUTING_TILES.fitted(config)
     return gpu_routing_tiles(torch.cuda.get_device_name(device)).fitted(config)
+
+
+def choose_layer_tiles(config: MoEConfig, num_routes: int,
+                       device: torch.device) -> tuple[RoutingTiles, FusedTiles]:
+    """The fused layer's two choices at once: the router's tiles (fitted) and the expert
+    kernels' for ``num_routes`` routes."""
+    return (choose_routing_tiles(config, device).fitted(config),
+            choose_fused_tiles(config, num_routes, device))
