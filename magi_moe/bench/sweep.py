@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -95,6 +95,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
     from ..kernels import plan as P
     from ..kernels.device import device_facts
     from ..kernels.fused import FusedCall, compiled_shared_memory, run_plan
+    from ..kernels.fused_prepare import step_descriptors
     from ..kernels.schedule import launch_block_schedule
     from ..kernels.tiles import FusedTiles, RoutingTiles
     from ..kernels.workspace import FusedWorkspace
@@ -133,7 +134,9 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         if plan.reasons:
             raise RuntimeError("cannot run here: " + "; ".join(plan.reasons))
         part = plan.only(*kernels)
-        return lambda: run_plan(part, call)
+        launched = replace(call, descriptors=step_descriptors(part.steps, packed, cfg.head_dim,
+                                                              call.act, call.gathered))
+        return lambda: run_plan(part, launched)
 
     def chosen(candidates, kernel):
         return [c for c in candidates if kernel in kernels and c["block_m"] == bm]

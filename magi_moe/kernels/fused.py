@@ -58,16 +58,16 @@ from ..routing import RouteTable
 from ..weights import ExpertWeights
 from . import fused_tma as T
 from .blocks import block_rows, store_activation, store_weighted_rows
-from .descriptors import banked_descriptor, matrix_descriptor
 from .device import device_facts
-from .fused_inputs import FUSED_DTYPES, check_fused_inputs, check_out  # noqa: F401 (FUSED_DTYPES: re-exported)
-from .fused_prepare import expert_buffers
+from ..validation import check_out, check_unit_last_stride
+from .fused_inputs import FUSED_DTYPES, check_fused_inputs  # noqa: F401 (FUSED_DTYPES: re-exported)
+from .fused_prepare import expert_buffers, step_descriptors
 from .plan import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA, GATHER_ROWS, SCHEDULE,
                    TOPK_SUM, LaunchPlan, LaunchStep, plan_fused)
 from .rounding import round_to
-from .schedule import BlockSchedule, fill_block_schedule, max_blocks
+from .schedule import BlockSchedule, fill_block_schedule, max_blocks, schedule_buffers
 from .tiles import INTERPRETER_TILES, FusedTiles, choose_fused_tiles
-from .workspace import FusedWorkspace, shared_workspace
+from .workspace import FusedWorkspace
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,8 +250,9 @@ class FusedCall:
     block schedule's buffers (filled by the plan's schedule step, or already built; None
     without routes); ``rows`` ``[R, Dh]`` fp32 and ``slot_route`` ``[S*H*K]`` int32: the
     per-route rows and where each slot's row is; ``out``: the top-k sum's output; ``act``: the
-    two-kernel path's activation buffer and ``gathered``: the ``tma_gathered`` variant's x rows
-    (:func:`~.fused_prepare.expert_buffers` takes both where the plan needs them)."""
+    two-kernel path's activation buffer and ``gathered``: the ``tma_gathered`` variant's x rows;
+    ``descriptors``: the plan's tensor descriptors (:func:`~.fused_prepare.expert_buffers` makes
+    these three where the plan needs them)."""
 
     x: torch.Tensor
     table: RouteTable
@@ -264,37 +265,7 @@ class FusedCall:
     out: torch.Tensor | None = None
     act: torch.Tensor | None = None
     gathered: torch.Tensor | None = None
-
-
-def plan_descriptors(plan: LaunchPlan, call: FusedCall) -> dict[str, dict]:
-    """Every tensor descriptor ``plan``'s steps read, by kernel and operand, made before the
-    first launch. The plan checked the same layouts, so one that cannot be made is a bug."""
-    w, dh = call.weights, call.config.head_dim
-    made: dict[str, dict] = {}
-    for step in plan.steps:
-        t = step.tiles
-        if step.kernel == EXPERT_MLP:
-            made[EXPERT_MLP] = {"w_gate": banked_descriptor(w.w_gate, [dh, t.gu_block_n]),
-                                "w_up": banked_descriptor(w.w_up, [dh, t.gu_block_n]),
-                                "w_down": banked_descriptor(w.w_down, [t.gu_block_n, dh])}
-        elif step.kernel == GATE_UP_TMA:
-            bk, bn = t.gu_block_k, t.gu_block_n
-            descs = {"w_gate": banked_descriptor(w.w_gate, [bk, bn]),
-                     "w_up": banked_descriptor(w.w_up, [bk, bn])}
-            if t.gu_variant == "tma_gathered":
-                descs["x"] = matrix_descriptor(call.gathered, [t.block_m, bk])
-            if t.gu_act_store == "tma":
-                descs["act"] = matrix_descriptor(call.act, [t.block_m, bn])
-            made[GATE_UP_TMA] = descs
-        elif step.kernel == DOWN_TMA:
-            made[DOWN_TMA] = {"act": matrix_descriptor(call.act, [t.block_m, t.down_block_k]),
-                              "w_down": banked_descriptor(w.w_down,
-                                                          [t.down_block_k, t.down_block_n])}
-    for kernel, descs in made.items():
-        if any(d is None for d in descs.values()):
-            raise RuntimeError(f"{kernel}: the launch plan promised tensor descriptors that "
-                               f"cannot be made")
-    return made
+    descriptors: dict | None = None
 
 
 def _launch_expert_mlp(step: LaunchStep, call: FusedCall, descs: dict, warmup: bool = False):
@@ -350,7 +321,7 @@ def compiled_shared_memory(weights: ExpertWeights, config: MoEConfig) -> Callabl
         key = (w.device, w.dtype, config.head_dim, config.intermediate_size, step.tiles)
         if key not in _SHARED:
             call = _signature_call(weights, config)
-            descs = plan_descriptors(LaunchPlan((step,), step.tiles, None, 0), call)[EXPERT_MLP]
+            descs = step_descriptors((step,), weights, config.head_dim, None, None)[EXPERT_MLP]
             _SHARED[key] = _launch_expert_mlp(step, call, descs, warmup=True).metadata.shared
         return _SHARED[key]
     return measure
@@ -439,13 +410,16 @@ def _launch_topk_sum(step: LaunchStep, call: FusedCall) -> None:
 
 
 def run_plan(plan: LaunchPlan, call: FusedCall) -> None:
-    """Launch ``plan``'s steps in order on ``call``'s tensors (its tensor descriptors made
-    first, :func:`plan_descriptors`); nothing is decided here."""
-    descs = plan_descriptors(plan, call)
+    """Launch ``plan``'s steps in order on ``call``'s tensors and descriptors; nothing is
+    decided or taken here."""
+    descs = call.descriptors or {}
     if plan.clear_slots:  # a partial (hand-built) table leaves slots without a route
         call.slot_route.fill_(-1)
     for step in plan.steps:
         kernel = step.kernel
+        if kernel in (EXPERT_MLP, GATE_UP_TMA, DOWN_TMA) and kernel not in descs:
+            raise ValueError(f"call.descriptors has none for {kernel}: make them with "
+                             f"fused_prepare.step_descriptors(plan.steps, ...)")
         if kernel == EXPERT_MLP:
             _launch_expert_mlp(step, call, descs[kernel])
         elif kernel == GATE_UP:
@@ -497,14 +471,17 @@ def launch_route_rows(x: torch.Tensor, table: RouteTable, weights: ExpertWeights
     order, as the native kernel's deterministic rows) and each route's CSR index into
     ``slot_route`` ``[S*H*K]`` int32. Huge-input tests call this with lazily allocated buffers.
     Returns the plan it ran."""
-    if schedule is not None and table.num_routes:
+    R = table.num_routes
+    if schedule is not None and R:
         _check_schedule(schedule, table, config, tiles)
     plan = _plan_call(x, table, weights, config, tiles, schedule_built=schedule is not None,
                       rows_only=True)
-    b = expert_buffers(workspace, plan, config, table.num_tokens, table.num_routes, x.dtype,
-                       schedule if table.num_routes else None, rows=rows, slot_route=slot_route)
-    run_plan(plan, FusedCall(x, table, weights, config, workspace, b.schedule, rows, slot_route,
-                             act=b.act, gathered=b.gathered))
+    b = expert_buffers(workspace, x.device, plan, weights, config, table.num_tokens, R, x.dtype,
+                       rows=rows, slot_route=slot_route)
+    if R and schedule is None:
+        schedule = schedule_buffers(workspace, R, config.num_banks, tiles.block_m)
+    run_plan(plan, FusedCall(x, table, weights, config, workspace, schedule if R else None, rows,
+                             slot_route, None, b.act, b.gathered, b.descriptors))
     return plan
 
 
@@ -522,19 +499,20 @@ def fused_call(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, confi
         out = torch.empty(S, D, dtype=x.dtype, device=x.device)
     else:
         check_out(out, x)
+        check_unit_last_stride("out", out)
     if S == 0:  # nothing to launch: the empty out stands in for the buffers no step reads
         return LaunchPlan((), tiles or INTERPRETER_TILES, device_facts(x.device), 0), FusedCall(
             x, table, weights, config, workspace, None, out, out, out)
-    workspace = workspace or shared_workspace(x.device)
-    workspace.note_capture()
-    tiles = tiles or choose_fused_tiles(config, table.num_routes, x.device)
-    if schedule is not None and table.num_routes:
+    R = table.num_routes
+    tiles = tiles or choose_fused_tiles(config, R, x.device)
+    if schedule is not None and R:
         _check_schedule(schedule, table, config, tiles)
     plan = _plan_call(x, table, weights, config, tiles, schedule_built=schedule is not None)
-    b = expert_buffers(workspace, plan, config, S, table.num_routes, x.dtype,
-                       schedule if table.num_routes else None)
-    return plan, FusedCall(x, table, weights, config, workspace, b.schedule, b.rows,
-                           b.slot_route, out, b.act, b.gathered)
+    b = expert_buffers(workspace, x.device, plan, weights, config, S, R, x.dtype)
+    if R and schedule is None:
+        schedule = schedule_buffers(b.workspace, R, config.num_banks, tiles.block_m)
+    return plan, FusedCall(x, table, weights, config, b.workspace, schedule if R else None,
+                           b.rows, b.slot_route, out, b.act, b.gathered, b.descriptors)
 
 
 def fused_forward(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,

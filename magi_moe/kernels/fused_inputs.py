@@ -8,7 +8,8 @@ import torch
 from ..config import MoEConfig
 from ..inputs import check_expert_inputs
 from ..routing import RouteTable
-from ..validation import check_kernel_device, check_same_device, check_tensor
+from ..validation import (check_kernel_device, check_out, check_same_device, check_tensor,
+                          check_unit_last_stride)
 from ..weights import ExpertWeights
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -22,8 +23,7 @@ def check_router_inputs(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     check_tensor("x", x, shape=(None, config.hidden_size),
                  dtype=(torch.bfloat16, torch.float16, torch.float32))
     check_tensor("gate", gate, shape=(config.num_banks, config.head_dim), dtype=torch.float32)
-    if x.numel() and x.stride(-1) != 1:
-        raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
+    check_unit_last_stride("x", x)
     if not gate.is_contiguous():
         raise ValueError("gate must be contiguous")
     if bias is not None:
@@ -40,35 +40,21 @@ def check_router_inputs(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
         raise ValueError(f"{S} tokens give {R} routes; the route table's int32 fields need < 2^31")
 
 
-def _check_unit_strides(weights: ExpertWeights) -> None:
-    for name, w in weights._asdict().items():
-        if w.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride in its last dim, got strides {w.stride()}")
-
-
 def check_fused_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
                        config: MoEConfig, *, check_bounds: bool | None = None) -> None:
     """Shapes, dtypes, devices, strides and (with ``check_bounds``, one host sync; by default
     for untrusted tables) the table's values: see :func:`~magi_moe.inputs.check_expert_inputs`."""
     check_expert_inputs(x, table, weights, config, dtypes=FUSED_DTYPES, check_bounds=check_bounds)
     check_kernel_device("x", x)
-    if x.numel() and x.stride(-1) != 1:
-        raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
-    _check_unit_strides(weights)
+    check_unit_last_stride("x", x)
+    for name, w in weights._asdict().items():
+        check_unit_last_stride(name, w)
     R = table.num_routes
     check_tensor("table.sorted_probs", table.sorted_probs, dtype=torch.float32)
     slots = table.num_tokens * config.num_heads * config.top_k
     if max(R, slots) >= 2**31:
         raise ValueError(f"table has {R} routes and {slots} slots; the slot map is int32, so "
                          f"both must stay below 2^31")
-
-
-def check_out(out: torch.Tensor, x: torch.Tensor) -> None:
-    """A caller-owned output of the fused path: ``x``'s shape, dtype and device, unit stride in
-    its last dim."""
-    check_tensor("out", out, shape=tuple(x.shape), dtype=x.dtype, device=x.device)
-    if out.numel() and out.stride(-1) != 1:
-        raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
 
 
 def check_layer_inputs(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
@@ -85,6 +71,8 @@ def check_layer_inputs(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor |
     if weights.w_gate.dtype != x.dtype:
         raise ValueError(f"weights dtype {weights.w_gate.dtype} must match x dtype {x.dtype}")
     check_same_device(x=x, w_gate=weights.w_gate)
-    _check_unit_strides(weights)
+    for name, w in weights._asdict().items():
+        check_unit_last_stride(name, w)
     if out is not None:
         check_out(out, x)
+        check_unit_last_stride("out", out)

@@ -29,10 +29,11 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
                            shared_memory_of=compiled_shared_memory(weights, config)
                            if x.device.type == "cuda" else None)
     b = launch.buffers
-    routes = launch_router(x, gate, bias, config, launch.routing_tiles, launch.workspace,
-                           b.schedule)
+    routes = launch_router(x, gate, bias, config, launch.routing_tiles, b.workspace,
+                           launch.plan.asked.block_m)
     # The table was built on the device just now and nothing ran since: no value check (it
     # would cost a sync), also for inference tensors, whose changes no version counter records.
-    run_plan(launch.plan, FusedCall(x, routes.table, weights, config, launch.workspace,
-                                    b.schedule, b.rows, b.slot_route, out, b.act, b.gathered))
+    run_plan(launch.plan, FusedCall(x, routes.table, weights, config, b.workspace,
+                                    routes.schedule, b.rows, b.slot_route, out, b.act,
+                                    b.gathered, b.descriptors))
     return out

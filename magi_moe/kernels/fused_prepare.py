@@ -1,10 +1,12 @@
-"""The host side of one fused layer call, done before its first launch: the tiles, the launch plan
-and every workspace buffer the expert launches use, in one frozen record (:class:`LayerLaunch`).
+"""The host side of one fused layer call, done before its first launch: the tiles, the launch plan,
+the workspace buffers and tensor descriptors the expert launches use, in one frozen record
+(:class:`LayerLaunch`).
 
 It reads the problem's sizes, the device, the dtype and the weights' layout, never ``x`` (its
 values are the kernels' business); :func:`~.fused_layer.fused_layer_forward` checks the inputs
-first and then launches the router and the plan on this record. ``fused_call``
-(:mod:`.fused`) takes its buffers through :func:`expert_buffers` too.
+first and then launches the router and the plan on this record. The block schedule's buffers
+are the router's to take: it builds the schedule. ``fused_call`` (:mod:`.fused`) takes its
+buffers through :func:`expert_buffers` too.
 """
 from __future__ import annotations
 
@@ -15,37 +17,73 @@ import torch
 
 from ..config import MoEConfig
 from ..weights import ExpertWeights
+from .descriptors import banked_descriptor, matrix_descriptor
 from .device import device_facts
-from .plan import GATE_UP_TMA, GATHER_ROWS, LaunchPlan, LaunchStep, plan_fused
-from .schedule import BlockSchedule, schedule_buffers
+from .plan import DOWN_TMA, EXPERT_MLP, GATE_UP_TMA, GATHER_ROWS, LaunchPlan, LaunchStep, plan_fused
 from .tiles import RoutingTiles, choose_layer_tiles
 from .workspace import FusedWorkspace, shared_workspace
 
 
+def step_descriptors(steps: tuple[LaunchStep, ...], weights: ExpertWeights, head_dim: int,
+                     act: torch.Tensor | None, gathered: torch.Tensor | None) -> dict[str, dict]:
+    """Every tensor descriptor a plan's ``steps`` read, by kernel and operand: over the weights
+    and over the ``act`` and ``gathered`` buffers. The plan checked the same layouts, so one
+    that cannot be made is a bug, never a silent fallback."""
+    w = weights
+    made: dict[str, dict] = {}
+    for step in steps:
+        t = step.tiles
+        if step.kernel == EXPERT_MLP:
+            made[EXPERT_MLP] = {"w_gate": banked_descriptor(w.w_gate, [head_dim, t.gu_block_n]),
+                                "w_up": banked_descriptor(w.w_up, [head_dim, t.gu_block_n]),
+                                "w_down": banked_descriptor(w.w_down, [t.gu_block_n, head_dim])}
+        elif step.kernel == GATE_UP_TMA:
+            bk, bn = t.gu_block_k, t.gu_block_n
+            descs = {"w_gate": banked_descriptor(w.w_gate, [bk, bn]),
+                     "w_up": banked_descriptor(w.w_up, [bk, bn])}
+            if t.gu_variant == "tma_gathered":
+                descs["x"] = matrix_descriptor(gathered, [t.block_m, bk])
+            if t.gu_act_store == "tma":
+                descs["act"] = matrix_descriptor(act, [t.block_m, bn])
+            made[GATE_UP_TMA] = descs
+        elif step.kernel == DOWN_TMA:
+            made[DOWN_TMA] = {"act": matrix_descriptor(act, [t.block_m, t.down_block_k]),
+                              "w_down": banked_descriptor(w.w_down,
+                                                          [t.down_block_k, t.down_block_n])}
+    for kernel, descs in made.items():
+        if any(d is None for d in descs.values()):
+            raise RuntimeError(f"{kernel}: the launch plan promised tensor descriptors that "
+                               f"cannot be made")
+    return made
+
+
 @dataclass(frozen=True)
 class ExpertBuffers:
-    """Workspace views the expert launches write and read: ``schedule`` the block schedule's
-    buffers (None without routes); ``rows`` ``[R, Dh]`` fp32 and ``slot_route`` ``[S*H*K]``
-    int32, the per-route rows and where each slot's row is; ``act``: the two-kernel path's
-    activation buffer and ``gathered``: the ``tma_gathered`` variant's x rows, each None where
-    the plan has no such step."""
+    """What the expert launches use besides their inputs: ``workspace`` (whose views the
+    buffers are), ``rows`` ``[R, Dh]`` fp32 and ``slot_route`` ``[S*H*K]`` int32 (the
+    per-route rows and where each slot's row is), ``act`` (the two-kernel path's activation
+    buffer) and ``gathered`` (the ``tma_gathered`` variant's x rows), each None where the plan
+    has no such step, and ``descriptors``, :func:`step_descriptors`'s."""
 
-    schedule: BlockSchedule | None
+    workspace: FusedWorkspace
     rows: torch.Tensor
     slot_route: torch.Tensor
     act: torch.Tensor | None
     gathered: torch.Tensor | None
+    descriptors: dict[str, dict]
 
 
-def expert_buffers(workspace: FusedWorkspace, plan: LaunchPlan, config: MoEConfig,
-                   num_tokens: int, num_routes: int, dtype: torch.dtype,
-                   schedule: BlockSchedule | None = None, *, rows: torch.Tensor | None = None,
+def expert_buffers(workspace: FusedWorkspace | None, device: torch.device, plan: LaunchPlan,
+                   weights: ExpertWeights, config: MoEConfig, num_tokens: int, num_routes: int,
+                   dtype: torch.dtype, *, rows: torch.Tensor | None = None,
                    slot_route: torch.Tensor | None = None) -> ExpertBuffers:
-    """The buffers ``plan``'s launches use, each taken once per call (under
-    :func:`magi_moe.debug.poison_workspaces` a second request would re-poison it).
-    ``schedule``, ``rows``, ``slot_route``: the caller's own (then not taken)."""
-    if schedule is None and num_routes:
-        schedule = schedule_buffers(workspace, num_routes, config.num_banks, plan.asked.block_m)
+    """The buffers and descriptors ``plan``'s launches use, from ``workspace`` (by default the
+    device's shared one), each buffer taken once per call (under
+    :func:`magi_moe.debug.poison_workspaces` a second request would re-poison it). ``rows``,
+    ``slot_route``: the caller's own (then not taken). The block schedule is not among them:
+    whoever builds it takes it (:func:`~.schedule.schedule_buffers`)."""
+    workspace = workspace or shared_workspace(device)
+    workspace.note_capture()
     if rows is None:
         rows = workspace.get("rows", (num_routes, config.head_dim), torch.float32)
     if slot_route is None:
@@ -58,18 +96,18 @@ def expert_buffers(workspace: FusedWorkspace, plan: LaunchPlan, config: MoEConfi
     gathered = (workspace.get("x_gathered", (plan.max_blocks * gather.tiles.block_m,
                                              config.head_dim), dtype)
                 if gather is not None else None)
-    return ExpertBuffers(schedule, rows, slot_route, act, gathered)
+    descriptors = step_descriptors(plan.steps, weights, config.head_dim, act, gathered)
+    return ExpertBuffers(workspace, rows, slot_route, act, gathered, descriptors)
 
 
 @dataclass(frozen=True)
 class LayerLaunch:
     """Everything one fused layer call launches with, decided and taken on the host before the
-    first launch: the router's fitted tiles, the expert launches' plan, the workspace and the
-    expert buffers (views valid until the workspace's next call on this device)."""
+    first launch: the router's fitted tiles, the expert launches' plan and their buffers
+    (views valid until the workspace's next call on this device)."""
 
     routing_tiles: RoutingTiles
     plan: LaunchPlan
-    workspace: FusedWorkspace
     buffers: ExpertBuffers
 
 
@@ -79,12 +117,12 @@ def prepare_layer(config: MoEConfig, num_tokens: int, device: torch.device, dtyp
     """The :class:`LayerLaunch` of a layer call on ``num_tokens`` tokens (at least one) of
     ``dtype`` on ``device``: tiles from the table for its route count, the plan for this
     device's facts (``shared_memory_of``: see :func:`~.plan.plan_fused`), with the block schedule
-    built by the router, and the buffers."""
+    left to the router, and the buffers."""
     num_routes = num_tokens * config.num_heads * config.top_k
     routing_tiles, tiles = choose_layer_tiles(config, num_routes, device)
-    plan = plan_fused(config, num_tokens, num_routes, tiles, device_facts(device), weights,
+    facts = device_facts(device)
+    plan = plan_fused(config, num_tokens, num_routes, tiles, facts, weights,
                       schedule_built=True, shared_memory_of=shared_memory_of)
-    workspace = workspace or shared_workspace(device)
-    workspace.note_capture()
-    buffers = expert_buffers(workspace, plan, config, num_tokens, num_routes, dtype)
-    return LayerLaunch(routing_tiles, plan, workspace, buffers)
+    buffers = expert_buffers(workspace, device, plan, weights, config, num_tokens, num_routes,
+                             dtype)
+    return LayerLaunch(routing_tiles, plan, buffers)

@@ -32,7 +32,7 @@ from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..routing import NORM_EPS, RouteTable
 from .fused_inputs import check_router_inputs
-from .schedule import BlockSchedule, fill_block_schedule, schedule_buffers
+from .schedule import BlockSchedule, cdiv, fill_block_schedule, schedule_buffers
 from .tiles import RoutingTiles, choose_routing_tiles
 from .workspace import FusedWorkspace, shared_workspace
 
@@ -278,26 +278,25 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
     fewer than building it in :func:`~magi_moe.kernels.fused.fused_forward`)."""
     check_router_inputs(x, gate, bias, config)
     workspace = workspace or shared_workspace(x.device)
+    workspace.note_capture()
     tiles = (tiles or choose_routing_tiles(config, x.device)).fitted(config)
-    R = x.shape[0] * config.num_heads * config.top_k
     # The router writes the CSR offsets with the schedule's launch, so it builds one always.
-    schedule = schedule_buffers(workspace, R, config.num_banks, block_m or 16) if R else None
-    routes = launch_router(x, gate, bias, config, tiles, workspace, schedule)
+    routes = launch_router(x, gate, bias, config, tiles, workspace, block_m or 16)
     return routes if block_m is not None else replace(routes, schedule=None)
 
 
 def launch_router(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
                   config: MoEConfig, tiles: RoutingTiles, workspace: FusedWorkspace,
-                  schedule: BlockSchedule | None) -> FusedRoutes:
-    """The router's four launches on checked inputs and fitted ``tiles``: the route buffers are
-    ``workspace``'s, the block schedule is built into ``schedule``'s buffers (sized for this
-    problem; None only without tokens)."""
+                  block_m: int) -> FusedRoutes:
+    """The router's four launches on checked inputs and fitted ``tiles``, and the expert
+    kernels' block schedule for ``block_m`` built with them; every buffer is ``workspace``'s
+    (told of a CUDA graph capture already: ``FusedWorkspace.note_capture``)."""
     H, E, K, Dh = config.num_heads, config.num_experts, config.top_k, config.head_dim
     S = x.shape[0]
     R = S * H * K
-    workspace.note_capture()
     HE = config.num_banks
-    TB = triton.cdiv(S, tiles.block_s)
+    TB = cdiv(S, tiles.block_s)
+    schedule = schedule_buffers(workspace, R, HE, block_m) if S else None
     ids = workspace.get("route_ids", (S, H, K), torch.int32)
     probs = workspace.get("route_probs", (S, H, K), torch.float32)
     block_counts = workspace.get("route_block_counts", (TB, HE), torch.int32)
@@ -330,7 +329,7 @@ def launch_router(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None
         TUPLE_PICKS=not interpret if FORCE_TUPLE_PICKS is None else FORCE_TUPLE_PICKS,
         num_warps=tiles.warps,
     )
-    bank_prefix_kernel[(triton.cdiv(HE, tiles.prefix_block_b),)](
+    bank_prefix_kernel[(cdiv(HE, tiles.prefix_block_b),)](
         block_counts, prefix, totals, TB, HE,
         BLOCK_TB=tiles.prefix_block_tb, BLOCK_B=tiles.prefix_block_b,
         num_warps=4 if not interpret else 1,

@@ -134,6 +134,7 @@ PORTABLE_TILES = FusedTiles(block_m=64, gu_block_n=64, gu_block_k=64, gu_warps=4
                             down_block_n=128, down_block_k=32, down_warps=4, down_stages=2)
 
 
+@lru_cache(maxsize=1024)  # the planner asks on every call
 def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
     """Tiles for the gate/up and down kernels where a one-kernel ("mlp_tma") entry cannot run:
     the portable tiles at the entry's ``block_m``, so a block schedule already built for it
