@@ -91,11 +91,10 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
     compile, launch or agree, or whose launch plan falls back to another kernel here (timing a
     launch that did not happen would look fast), is recorded with ``ms: None``."""
     from ..kernels import fused_routing as FR
-    from ..kernels import fused_tma as T
     from ..kernels import plan as P
     from ..kernels.device import device_facts
-    from ..kernels.fused import FusedCall, compiled_shared_memory, run_plan
-    from ..kernels.fused_prepare import step_descriptors
+    from ..kernels.fused import FusedCall, compiled_shared_memory, launch_gather_rows, run_plan
+    from ..kernels.descriptors import step_descriptors
     from ..kernels.schedule import launch_block_schedule
     from ..kernels.tiles import FusedTiles, RoutingTiles
     from ..kernels.workspace import FusedWorkspace
@@ -172,7 +171,7 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         live = int(sched.block_count[0]) * bm
         xg = ws.get("x_gathered", (sched.max_blocks * bm, cfg.head_dim), problem.x.dtype)
         results["gather"][bm] = time_one(  # part of every "tma_gathered" time: shown apart
-            lambda: T.launch_gather_rows(problem.x, table, sched, xg, cfg), **timing)
+            lambda: launch_gather_rows(problem.x, table, sched, xg, cfg), **timing)
         act = torch.empty(sched.max_blocks * bm, cfg.intermediate_size, dtype=cfg.dtype,
                           device=device)
         call = FusedCall(problem.x, table, packed, cfg, ws, sched, rows, slot_route, out, act, xg)

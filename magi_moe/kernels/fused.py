@@ -55,13 +55,14 @@ import triton.language as tl
 from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..routing import RouteTable
+from ..validation import check_out, check_unit_last_stride
 from ..weights import ExpertWeights
 from . import fused_tma as T
 from .blocks import block_rows, store_activation, store_weighted_rows
+from .descriptors import step_descriptors
 from .device import device_facts
-from ..validation import check_out, check_unit_last_stride
 from .fused_inputs import FUSED_DTYPES, check_fused_inputs  # noqa: F401 (FUSED_DTYPES: re-exported)
-from .fused_prepare import expert_buffers, step_descriptors
+from .fused_prepare import expert_buffers
 from .plan import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA, GATHER_ROWS, SCHEDULE,
                    TOPK_SUM, LaunchPlan, LaunchStep, plan_fused)
 from .rounding import round_to
@@ -409,6 +410,19 @@ def _launch_topk_sum(step: LaunchStep, call: FusedCall) -> None:
     )
 
 
+def launch_gather_rows(x: torch.Tensor, table: RouteTable, schedule: BlockSchedule,
+                       xg: torch.Tensor, config: MoEConfig) -> None:
+    """Each live block's ``x`` rows into ``xg`` ``[max_blocks*BLOCK_M, Dh]`` in padded-block
+    order (the ``tma_gathered`` variant's first launch, ``gather_rows_kernel``)."""
+    dh = config.head_dim
+    T.gather_rows_kernel[(schedule.max_blocks,)](
+        x, table.gather_ids, table.offsets, schedule.block_bank, schedule.block_start,
+        schedule.block_count, xg, x.stride(0), xg.stride(0), config.num_experts,
+        HEAD_DIM=dh, DH_PAD=max(16, triton.next_power_of_2(dh)), BLOCK_M=schedule.block_m,
+        num_warps=1 if interpreter_enabled() else 4,
+    )
+
+
 def run_plan(plan: LaunchPlan, call: FusedCall) -> None:
     """Launch ``plan``'s steps in order on ``call``'s tensors and descriptors; nothing is
     decided or taken here."""
@@ -419,7 +433,7 @@ def run_plan(plan: LaunchPlan, call: FusedCall) -> None:
         kernel = step.kernel
         if kernel in (EXPERT_MLP, GATE_UP_TMA, DOWN_TMA) and kernel not in descs:
             raise ValueError(f"call.descriptors has none for {kernel}: make them with "
-                             f"fused_prepare.step_descriptors(plan.steps, ...)")
+                             f"descriptors.step_descriptors(plan.steps, ...)")
         if kernel == EXPERT_MLP:
             _launch_expert_mlp(step, call, descs[kernel])
         elif kernel == GATE_UP:
@@ -432,10 +446,10 @@ def run_plan(plan: LaunchPlan, call: FusedCall) -> None:
             _launch_down_tma(step, call, descs[kernel])
         elif kernel == TOPK_SUM:
             _launch_topk_sum(step, call)
+        elif kernel == GATHER_ROWS:
+            launch_gather_rows(call.x, call.table, call.schedule, call.gathered, call.config)
         elif kernel == SCHEDULE:
             fill_block_schedule(call.schedule, call.table.offsets, call.config.num_banks)
-        elif kernel == GATHER_ROWS:
-            T.launch_gather_rows(call.x, call.table, call.schedule, call.gathered, call.config)
         else:
             raise ValueError(f"run_plan cannot launch {kernel!r}")
 

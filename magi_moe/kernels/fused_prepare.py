@@ -17,44 +17,12 @@ import torch
 
 from ..config import MoEConfig
 from ..weights import ExpertWeights
-from .descriptors import banked_descriptor, matrix_descriptor
+from .descriptors import step_descriptors
 from .device import device_facts
-from .plan import DOWN_TMA, EXPERT_MLP, GATE_UP_TMA, GATHER_ROWS, LaunchPlan, LaunchStep, plan_fused
+from .launch_names import GATE_UP_TMA, GATHER_ROWS
+from .plan import LaunchPlan, LaunchStep, plan_fused
 from .tiles import RoutingTiles, choose_layer_tiles
 from .workspace import FusedWorkspace, shared_workspace
-
-
-def step_descriptors(steps: tuple[LaunchStep, ...], weights: ExpertWeights, head_dim: int,
-                     act: torch.Tensor | None, gathered: torch.Tensor | None) -> dict[str, dict]:
-    """Every tensor descriptor a plan's ``steps`` read, by kernel and operand: over the weights
-    and over the ``act`` and ``gathered`` buffers. The plan checked the same layouts, so one
-    that cannot be made is a bug, never a silent fallback."""
-    w = weights
-    made: dict[str, dict] = {}
-    for step in steps:
-        t = step.tiles
-        if step.kernel == EXPERT_MLP:
-            made[EXPERT_MLP] = {"w_gate": banked_descriptor(w.w_gate, [head_dim, t.gu_block_n]),
-                                "w_up": banked_descriptor(w.w_up, [head_dim, t.gu_block_n]),
-                                "w_down": banked_descriptor(w.w_down, [t.gu_block_n, head_dim])}
-        elif step.kernel == GATE_UP_TMA:
-            bk, bn = t.gu_block_k, t.gu_block_n
-            descs = {"w_gate": banked_descriptor(w.w_gate, [bk, bn]),
-                     "w_up": banked_descriptor(w.w_up, [bk, bn])}
-            if t.gu_variant == "tma_gathered":
-                descs["x"] = matrix_descriptor(gathered, [t.block_m, bk])
-            if t.gu_act_store == "tma":
-                descs["act"] = matrix_descriptor(act, [t.block_m, bn])
-            made[GATE_UP_TMA] = descs
-        elif step.kernel == DOWN_TMA:
-            made[DOWN_TMA] = {"act": matrix_descriptor(act, [t.block_m, t.down_block_k]),
-                              "w_down": banked_descriptor(w.w_down,
-                                                          [t.down_block_k, t.down_block_n])}
-    for kernel, descs in made.items():
-        if any(d is None for d in descs.values()):
-            raise RuntimeError(f"{kernel}: the launch plan promised tensor descriptors that "
-                               f"cannot be made")
-    return made
 
 
 @dataclass(frozen=True)
@@ -63,7 +31,7 @@ class ExpertBuffers:
     buffers are), ``rows`` ``[R, Dh]`` fp32 and ``slot_route`` ``[S*H*K]`` int32 (the
     per-route rows and where each slot's row is), ``act`` (the two-kernel path's activation
     buffer) and ``gathered`` (the ``tma_gathered`` variant's x rows), each None where the plan
-    has no such step, and ``descriptors``, :func:`step_descriptors`'s."""
+    has no such step, and ``descriptors``, :func:`~.descriptors.step_descriptors`'s."""
 
     workspace: FusedWorkspace
     rows: torch.Tensor

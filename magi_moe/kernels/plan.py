@@ -28,17 +28,11 @@ from ..config import MoEConfig
 from ..weights import ExpertWeights
 from .descriptors import banked_problem, matrix_rows_problem
 from .device import DeviceFacts, persistent_grid
+from .launch_names import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA,  # noqa: F401
+                           GATHER_ROWS, SCHEDULE, TOPK_SUM)  # (the planner's names, handed on)
 from .schedule import cdiv, max_blocks, schedule_programs
 from .tiles import FusedTiles, two_kernel_tiles
 
-SCHEDULE = "block_schedule_kernel"
-EXPERT_MLP = "expert_mlp_tma_kernel"
-GATHER_ROWS = "gather_rows_kernel"
-GATE_UP = "gate_up_kernel"
-GATE_UP_TMA = "gate_up_tma_kernel"
-DOWN = "down_kernel"
-DOWN_TMA = "down_tma_kernel"
-TOPK_SUM = "topk_sum_kernel"
 NO_TMA = "no TMA (tensor descriptors) before Hopper"
 
 
