@@ -9,16 +9,11 @@ multiples of the tile). Descriptor coordinates are int32: the row counts stay be
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..weights import ExpertWeights
-from .launch_names import DOWN_TMA, EXPERT_MLP, GATE_UP_TMA
-
-if TYPE_CHECKING:
-    from .plan import LaunchStep
+from .launch_steps import DOWN_TMA, EXPERT_MLP, GATE_UP_TMA, LaunchStep
 
 
 def banked_problem(w: torch.Tensor) -> str | None:
@@ -72,7 +67,7 @@ def matrix_descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescript
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block_shape)
 
 
-def step_descriptors(steps: tuple["LaunchStep", ...], weights: ExpertWeights, head_dim: int,
+def step_descriptors(steps: tuple[LaunchStep, ...], weights: ExpertWeights, head_dim: int,
                      act: torch.Tensor | None, gathered: torch.Tensor | None) -> dict[str, dict]:
     """Every tensor descriptor a plan's ``steps`` read, by kernel and operand: over the weights
     and over the ``act`` and ``gathered`` buffers. The plan checked the same layouts, so one

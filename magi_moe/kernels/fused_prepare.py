@@ -19,7 +19,7 @@ from ..config import MoEConfig
 from ..weights import ExpertWeights
 from .descriptors import step_descriptors
 from .device import device_facts
-from .launch_names import GATE_UP_TMA, GATHER_ROWS
+from .launch_steps import GATE_UP_TMA, GATHER_ROWS
 from .plan import LaunchPlan, LaunchStep, plan_fused
 from .tiles import RoutingTiles, choose_layer_tiles
 from .workspace import FusedWorkspace, shared_workspace

@@ -28,23 +28,12 @@ from ..config import MoEConfig
 from ..weights import ExpertWeights
 from .descriptors import banked_problem, matrix_rows_problem
 from .device import DeviceFacts, persistent_grid
-from .launch_names import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA,  # noqa: F401
-                           GATHER_ROWS, SCHEDULE, TOPK_SUM)  # (the planner's names, handed on)
+from .launch_steps import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA,  # noqa: F401
+                           GATHER_ROWS, SCHEDULE, TOPK_SUM, LaunchStep)  # (handed on)
 from .schedule import cdiv, max_blocks, schedule_programs
 from .tiles import FusedTiles, two_kernel_tiles
 
 NO_TMA = "no TMA (tensor descriptors) before Hopper"
-
-
-@dataclass(frozen=True)
-class LaunchStep:
-    """One launch: the Triton kernel's name, its grid (programs) and the tiles it runs with
-    (for ``gate_up_tma_kernel`` the variant, ``tma`` or ``tma_gathered``, and the activation
-    store are the tiles' ``gu_variant`` and ``gu_act_store``)."""
-
-    kernel: str
-    grid: int
-    tiles: FusedTiles
 
 
 @dataclass(frozen=True)
