@@ -46,6 +46,14 @@ def check_contiguous(name: str, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def check_unit_last_stride(name: str, value: torch.Tensor) -> torch.Tensor:
+    """Kernels that address rows through a row stride need unit stride in the last dim (an
+    empty tensor passes)."""
+    if value.numel() and value.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dim, got strides {value.stride()}")
+    return value
+
+
 def check_out(out: object, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A caller-owned output: a tensor shaped like ``x``, of ``dtype`` (``x``'s by default), on
     ``x``'s device. Checked before anything is computed, so nothing is broadcast into it or

@@ -181,17 +181,14 @@ def host_syncs(fn) -> str:
 @contextlib.contextmanager
 def checks_patched_out():
     """The layer path's input checks replaced by no-ops (measurement only)."""
-    from magi_moe.kernels import fused, fused_routing
-    saved = (fused.check_fused_inputs, fused_routing.check_kernel_device,
-             fused_routing.increment_version)
-    fused.check_fused_inputs = lambda *a, **k: None
-    fused_routing.check_kernel_device = lambda *a, **k: None
+    from magi_moe.kernels import fused_layer, fused_routing
+    saved = (fused_layer.check_layer_inputs, fused_routing.increment_version)
+    fused_layer.check_layer_inputs = lambda *a, **k: None
     fused_routing.increment_version = lambda *a, **k: None
     try:
         yield
     finally:
-        fused.check_fused_inputs, fused_routing.check_kernel_device, \
-            fused_routing.increment_version = saved
+        fused_layer.check_layer_inputs, fused_routing.increment_version = saved
 
 
 def cost(preset_name: str, tokens: int, warmup: int, iters: int, json_path: str | None) -> int:

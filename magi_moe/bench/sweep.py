@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -91,10 +91,10 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
     compile, launch or agree, or whose launch plan falls back to another kernel here (timing a
     launch that did not happen would look fast), is recorded with ``ms: None``."""
     from ..kernels import fused_routing as FR
-    from ..kernels import fused_tma as T
     from ..kernels import plan as P
     from ..kernels.device import device_facts
-    from ..kernels.fused import FusedCall, compiled_shared_memory, run_plan
+    from ..kernels.fused import FusedCall, compiled_shared_memory, launch_gather_rows, run_plan
+    from ..kernels.descriptors import step_descriptors
     from ..kernels.schedule import launch_block_schedule
     from ..kernels.tiles import FusedTiles, RoutingTiles
     from ..kernels.workspace import FusedWorkspace
@@ -128,12 +128,14 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         """The launches of ``kernels`` that ``tiles`` plan here; an error where the plan falls
         back, so a candidate is timed only as itself."""
         plan = P.plan_fused(cfg, S, R, tiles, facts, packed, schedule_built=True,
-                            shared_memory_of=compiled_shared_memory(call)
+                            shared_memory_of=compiled_shared_memory(packed, cfg)
                             if device.type == "cuda" else None)
         if plan.reasons:
             raise RuntimeError("cannot run here: " + "; ".join(plan.reasons))
         part = plan.only(*kernels)
-        return lambda: run_plan(part, call)
+        launched = replace(call, descriptors=step_descriptors(part.steps, packed, cfg.head_dim,
+                                                              call.act, call.gathered))
+        return lambda: run_plan(part, launched)
 
     def chosen(candidates, kernel):
         return [c for c in candidates if kernel in kernels and c["block_m"] == bm]
@@ -169,10 +171,10 @@ def sweep_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int,
         live = int(sched.block_count[0]) * bm
         xg = ws.get("x_gathered", (sched.max_blocks * bm, cfg.head_dim), problem.x.dtype)
         results["gather"][bm] = time_one(  # part of every "tma_gathered" time: shown apart
-            lambda: T.launch_gather_rows(problem.x, table, sched, xg, cfg), **timing)
+            lambda: launch_gather_rows(problem.x, table, sched, xg, cfg), **timing)
         act = torch.empty(sched.max_blocks * bm, cfg.intermediate_size, dtype=cfg.dtype,
                           device=device)
-        call = FusedCall(problem.x, table, packed, cfg, ws, sched, rows, slot_route, out, act)
+        call = FusedCall(problem.x, table, packed, cfg, ws, sched, rows, slot_route, out, act, xg)
         want_act = None
         for cand in chosen(GATE_UP_CANDIDATES, "gate_up"):
             tiles = FusedTiles(**cand).fitted(cfg)

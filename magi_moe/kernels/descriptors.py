@@ -1,6 +1,7 @@
 """Tensor descriptors (TMA) over the fused path's weights and buffers, and why one cannot be
 made: the launch planner asks :func:`banked_problem` / :func:`matrix_problem` before anything
-launches, the launchers build the descriptors the plan promised.
+launches; :func:`step_descriptors` makes the descriptors the plan promised, before the first
+launch.
 
 A banked weight ``[banks, rows, cols]`` is viewed as 2-D ``[banks * rows, cols]`` through its
 strides, so a tile at ``(bank * rows + k, n)`` never crosses a bank (the reductions are whole
@@ -10,6 +11,9 @@ from __future__ import annotations
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..weights import ExpertWeights
+from .launch_steps import DOWN_TMA, EXPERT_MLP, GATE_UP_TMA, LaunchStep
 
 
 def banked_problem(w: torch.Tensor) -> str | None:
@@ -61,3 +65,36 @@ def matrix_descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescript
     if matrix_problem(t) is not None:
         return None
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block_shape)
+
+
+def step_descriptors(steps: tuple[LaunchStep, ...], weights: ExpertWeights, head_dim: int,
+                     act: torch.Tensor | None, gathered: torch.Tensor | None) -> dict[str, dict]:
+    """Every tensor descriptor a plan's ``steps`` read, by kernel and operand: over the weights
+    and over the ``act`` and ``gathered`` buffers. The plan checked the same layouts, so one
+    that cannot be made is a bug, never a silent fallback."""
+    w = weights
+    made: dict[str, dict] = {}
+    for step in steps:
+        t = step.tiles
+        if step.kernel == EXPERT_MLP:
+            made[EXPERT_MLP] = {"w_gate": banked_descriptor(w.w_gate, [head_dim, t.gu_block_n]),
+                                "w_up": banked_descriptor(w.w_up, [head_dim, t.gu_block_n]),
+                                "w_down": banked_descriptor(w.w_down, [t.gu_block_n, head_dim])}
+        elif step.kernel == GATE_UP_TMA:
+            bk, bn = t.gu_block_k, t.gu_block_n
+            descs = {"w_gate": banked_descriptor(w.w_gate, [bk, bn]),
+                     "w_up": banked_descriptor(w.w_up, [bk, bn])}
+            if t.gu_variant == "tma_gathered":
+                descs["x"] = matrix_descriptor(gathered, [t.block_m, bk])
+            if t.gu_act_store == "tma":
+                descs["act"] = matrix_descriptor(act, [t.block_m, bn])
+            made[GATE_UP_TMA] = descs
+        elif step.kernel == DOWN_TMA:
+            made[DOWN_TMA] = {"act": matrix_descriptor(act, [t.block_m, t.down_block_k]),
+                              "w_down": banked_descriptor(w.w_down,
+                                                          [t.down_block_k, t.down_block_n])}
+    for kernel, descs in made.items():
+        if any(d is None for d in descs.values()):
+            raise RuntimeError(f"{kernel}: the launch plan promised tensor descriptors that "
+                               f"cannot be made")
+    return made

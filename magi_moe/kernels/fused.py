@@ -54,22 +54,21 @@ import triton.language as tl
 
 from ..backends import interpreter_enabled
 from ..config import MoEConfig
-from ..inputs import check_expert_inputs
 from ..routing import RouteTable
-from ..validation import check_kernel_device, check_tensor
+from ..validation import check_out, check_unit_last_stride
 from ..weights import ExpertWeights
 from . import fused_tma as T
 from .blocks import block_rows, store_activation, store_weighted_rows
-from .descriptors import banked_descriptor, matrix_descriptor
+from .descriptors import step_descriptors
 from .device import device_facts
+from .fused_inputs import FUSED_DTYPES, check_fused_inputs  # noqa: F401 (FUSED_DTYPES: re-exported)
+from .fused_prepare import expert_buffers
 from .plan import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA, GATHER_ROWS, SCHEDULE,
                    TOPK_SUM, LaunchPlan, LaunchStep, plan_fused)
 from .rounding import round_to
 from .schedule import BlockSchedule, fill_block_schedule, max_blocks, schedule_buffers
 from .tiles import INTERPRETER_TILES, FusedTiles, choose_fused_tiles
-from .workspace import FusedWorkspace, shared_workspace
-
-FUSED_DTYPES = (torch.bfloat16, torch.float16)
+from .workspace import FusedWorkspace
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,25 +233,6 @@ def topk_sum_kernel(
 # ---------------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------------
-def check_fused_inputs(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
-                       config: MoEConfig, *, check_bounds: bool | None = None) -> None:
-    """Shapes, dtypes, devices, strides and (with ``check_bounds``, one host sync; by default
-    for untrusted tables) the table's values: see :func:`~magi_moe.inputs.check_expert_inputs`."""
-    check_expert_inputs(x, table, weights, config, dtypes=FUSED_DTYPES, check_bounds=check_bounds)
-    check_kernel_device("x", x)
-    if x.numel() and x.stride(-1) != 1:
-        raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
-    for name, w in weights._asdict().items():
-        if w.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride in its last dim, got strides {w.stride()}")
-    R = table.num_routes
-    check_tensor("table.sorted_probs", table.sorted_probs, dtype=torch.float32)
-    slots = table.num_tokens * config.num_heads * config.top_k
-    if max(R, slots) >= 2**31:
-        raise ValueError(f"table has {R} routes and {slots} slots; the slot map is int32, so "
-                         f"both must stay below 2^31")
-
-
 def _register_cap(maxnreg: int) -> dict:
     return {"maxnreg": maxnreg} if maxnreg and not interpreter_enabled() else {}
 
@@ -271,7 +251,9 @@ class FusedCall:
     block schedule's buffers (filled by the plan's schedule step, or already built; None
     without routes); ``rows`` ``[R, Dh]`` fp32 and ``slot_route`` ``[S*H*K]`` int32: the
     per-route rows and where each slot's row is; ``out``: the top-k sum's output; ``act``: the
-    two-kernel path's activation buffer (from the workspace when None)."""
+    two-kernel path's activation buffer and ``gathered``: the ``tma_gathered`` variant's x rows;
+    ``descriptors``: the plan's tensor descriptors (:func:`~.fused_prepare.expert_buffers` makes
+    these three where the plan needs them)."""
 
     x: torch.Tensor
     table: RouteTable
@@ -283,19 +265,19 @@ class FusedCall:
     slot_route: torch.Tensor
     out: torch.Tensor | None = None
     act: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
+    descriptors: dict | None = None
 
 
-def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
+def _launch_expert_mlp(step: LaunchStep, call: FusedCall, descs: dict, warmup: bool = False):
     """Kernels 2 and 3 as one (``expert_mlp_tma_kernel``): weighted fp32 rows per route, no
     activation buffer. ``warmup``: compile for this launch and return the compiled kernel."""
     c, tiles, w = call, step.tiles, call.weights
     bn, dh = tiles.gu_block_n, c.config.head_dim
-    descs = (banked_descriptor(w.w_gate, [dh, bn]), banked_descriptor(w.w_up, [dh, bn]),
-             banked_descriptor(w.w_down, [bn, dh]))
-    _promised(step, *descs)
     upcast, precision = _dot_modes()
     sched = c.schedule
-    args = (c.x, *descs, c.table.gather_ids, c.table.sorted_probs, c.table.route_slots,
+    args = (c.x, descs["w_gate"], descs["w_up"], descs["w_down"], c.table.gather_ids,
+            c.table.sorted_probs, c.table.route_slots,
             c.table.offsets, sched.block_bank, sched.block_start, sched.block_count,
             c.rows, c.slot_route, c.x.stride(0), c.rows.stride(0), c.config.num_experts)
     meta = dict(HEAD_DIM=dh, INTER=c.config.intermediate_size, BLOCK_M=tiles.block_m, BLOCK_N=bn,
@@ -307,34 +289,48 @@ def _launch_expert_mlp(step: LaunchStep, call: FusedCall, warmup: bool = False):
     T.expert_mlp_tma_kernel[(step.grid,)](*args, **meta)
 
 
-def _promised(step: LaunchStep, *descriptors) -> None:
-    if any(d is None for d in descriptors):  # the plan checked the same layouts: a bug if seen
-        raise RuntimeError(f"{step.kernel}: the launch plan promised tensor descriptors that "
-                           f"cannot be made")
-
-
 _SHARED: dict[tuple, int] = {}
 
 
-def compiled_shared_memory(call: FusedCall) -> Callable[[LaunchStep], int]:
-    """For the planner: bytes of shared memory a step's kernel, compiled for this call, needs.
-    Its footprint depends on the shapes as well as the tiles (with a single activation slice,
-    I = BLOCK_N, Triton 3.6 asked 353 KiB for tiles that take 208 KiB at I = 1280), so it is
-    read from the compiled kernel, once per (device, dtype, shapes, tiles), not estimated."""
+def _signature_call(weights: ExpertWeights, config: MoEConfig) -> FusedCall:
+    """Empty stand-ins of the one-kernel launch's tensors, of its dtypes on the weights' device:
+    a compiled kernel depends on the arguments' dtypes and on which pointers are 16-byte aligned,
+    and these are, as fresh inputs and workspace views are."""
+    device, dtype = weights.w_down.device, weights.w_down.dtype
+
+    def empty(*shape: int, of: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=of, device=device)
+    H, E, K = config.num_heads, config.num_experts, config.top_k
+    table = RouteTable(empty(0, of=torch.int32), empty(0), empty(config.num_banks + 1, of=torch.int64),
+                       empty(0, of=torch.int64), 0, H, E, K)
+    schedule = BlockSchedule(empty(0, of=torch.int32), empty(0, of=torch.int64),
+                             empty(1, of=torch.int32), 16)
+    return FusedCall(empty(0, config.hidden_size, of=dtype), table, weights, config, None,
+                     schedule, empty(0, config.head_dim), empty(0, of=torch.int32))
+
+
+def compiled_shared_memory(weights: ExpertWeights, config: MoEConfig) -> Callable[[LaunchStep], int]:
+    """For the planner: bytes of shared memory a step's kernel, compiled for these weights'
+    device, dtype and shapes, needs. Its footprint depends on the shapes as well as the tiles
+    (with a single activation slice, I = BLOCK_N, Triton 3.6 asked 353 KiB for tiles that take
+    208 KiB at I = 1280), so it is read from the compiled kernel, once per (device, dtype,
+    shapes, tiles), not estimated; no input is needed to compile it."""
     def measure(step: LaunchStep) -> int:
         if step.kernel != EXPERT_MLP:
             raise ValueError(f"only {EXPERT_MLP} is measured, not {step.kernel}")
-        key = (call.x.device, call.x.dtype, call.config.head_dim,
-               call.config.intermediate_size, step.tiles)
+        w = weights.w_down
+        key = (w.device, w.dtype, config.head_dim, config.intermediate_size, step.tiles)
         if key not in _SHARED:
-            _SHARED[key] = _launch_expert_mlp(step, call, warmup=True).metadata.shared
+            call = _signature_call(weights, config)
+            descs = step_descriptors((step,), weights, config.head_dim, None, None)[EXPERT_MLP]
+            _SHARED[key] = _launch_expert_mlp(step, call, descs, warmup=True).metadata.shared
         return _SHARED[key]
     return measure
 
 
-def _launch_gate_up(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
+def _launch_gate_up(step: LaunchStep, call: FusedCall) -> None:
     """Kernel 2, K loop over Dh per column tile: SwiGLU7 activations into ``act``."""
-    c, tiles = call, step.tiles
+    c, tiles, act = call, step.tiles, call.act
     upcast, precision = _dot_modes()
     wg, wu, sched = c.weights.w_gate, c.weights.w_up, c.schedule
     gate_up_kernel[(step.grid,)](
@@ -348,37 +344,31 @@ def _launch_gate_up(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> Non
     )
 
 
-def _launch_gate_up_tma(step: LaunchStep, call: FusedCall, act: torch.Tensor,
-                        xg: torch.Tensor | None) -> None:
+def _launch_gate_up_tma(step: LaunchStep, call: FusedCall, descs: dict) -> None:
     """Kernel 2 with weight tiles by descriptor (``tma``), and ``x`` rows from the gathered
-    buffer ``xg`` by descriptor too (``tma_gathered``)."""
-    c, tiles = call, step.tiles
+    buffer by descriptor too (``tma_gathered``); the activation stored by descriptor where the
+    tiles ask it."""
+    c, tiles, act = call, step.tiles, call.act
     bk, bn = tiles.gu_block_k, tiles.gu_block_n
-    wg_desc = banked_descriptor(c.weights.w_gate, [bk, bn])
-    wu_desc = banked_descriptor(c.weights.w_up, [bk, bn])
-    gathered = tiles.gu_variant == "tma_gathered"
-    xg_desc = matrix_descriptor(xg, [tiles.block_m, bk]) if gathered else None
-    _promised(step, wg_desc, wu_desc, *([xg_desc] if gathered else []))
-    act_desc = matrix_descriptor(act, [tiles.block_m, bn]) if tiles.gu_act_store == "tma" else None
-    if tiles.gu_act_store == "tma":
-        _promised(step, act_desc)
+    act_desc = descs.get("act")
     upcast, precision = _dot_modes()
     sched = c.schedule
     T.gate_up_tma_kernel[(step.grid,)](
-        c.x, xg_desc, wg_desc, wu_desc, c.table.gather_ids, c.table.offsets,
+        c.x, descs.get("x"), descs["w_gate"], descs["w_up"], c.table.gather_ids, c.table.offsets,
         sched.block_bank, sched.block_start, sched.block_count, act, act_desc,
         c.x.stride(0), act.stride(0), c.config.num_experts,
         HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
-        BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk, X_GATHERED=gathered,
+        BLOCK_M=tiles.block_m, BLOCK_N=bn, BLOCK_K=bk,
+        X_GATHERED=tiles.gu_variant == "tma_gathered",
         ACT_DESC=act_desc is not None,
         UPCAST=upcast, DOT_PRECISION=precision,
         num_warps=tiles.gu_warps, num_stages=tiles.gu_stages, **_register_cap(tiles.gu_maxnreg),
     )
 
 
-def _launch_down(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
+def _launch_down(step: LaunchStep, call: FusedCall) -> None:
     """Kernel 3: weighted fp32 rows per route into ``rows`` ``[R, Dh]`` and ``slot_route``."""
-    c, tiles = call, step.tiles
+    c, tiles, act = call, step.tiles, call.act
     upcast, precision = _dot_modes()
     wd, sched = c.weights.w_down, c.schedule
     down_kernel[(step.grid,)](
@@ -392,16 +382,13 @@ def _launch_down(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
     )
 
 
-def _launch_down_tma(step: LaunchStep, call: FusedCall, act: torch.Tensor) -> None:
+def _launch_down_tma(step: LaunchStep, call: FusedCall, descs: dict) -> None:
     """Kernel 3 with the activation rows and the ``W_down`` tiles by descriptor."""
     c, tiles = call, step.tiles
-    act_desc = matrix_descriptor(act, [tiles.block_m, tiles.down_block_k])
-    wd_desc = banked_descriptor(c.weights.w_down, [tiles.down_block_k, tiles.down_block_n])
-    _promised(step, act_desc, wd_desc)
     upcast, precision = _dot_modes()
     sched = c.schedule
     T.down_tma_kernel[(step.grid,)](
-        act_desc, wd_desc, c.table.sorted_probs, c.table.route_slots, c.table.offsets,
+        descs["act"], descs["w_down"], c.table.sorted_probs, c.table.route_slots, c.table.offsets,
         sched.block_bank, sched.block_start, sched.block_count, c.rows, c.slot_route,
         c.rows.stride(0),
         HEAD_DIM=c.config.head_dim, INTER=c.config.intermediate_size,
@@ -423,60 +410,64 @@ def _launch_topk_sum(step: LaunchStep, call: FusedCall) -> None:
     )
 
 
+def launch_gather_rows(x: torch.Tensor, table: RouteTable, schedule: BlockSchedule,
+                       xg: torch.Tensor, config: MoEConfig) -> None:
+    """Each live block's ``x`` rows into ``xg`` ``[max_blocks*BLOCK_M, Dh]`` in padded-block
+    order (the ``tma_gathered`` variant's first launch, ``gather_rows_kernel``)."""
+    dh = config.head_dim
+    T.gather_rows_kernel[(schedule.max_blocks,)](
+        x, table.gather_ids, table.offsets, schedule.block_bank, schedule.block_start,
+        schedule.block_count, xg, x.stride(0), xg.stride(0), config.num_experts,
+        HEAD_DIM=dh, DH_PAD=max(16, triton.next_power_of_2(dh)), BLOCK_M=schedule.block_m,
+        num_warps=1 if interpreter_enabled() else 4,
+    )
+
+
 def run_plan(plan: LaunchPlan, call: FusedCall) -> None:
-    """Launch ``plan``'s steps in order on ``call``'s tensors; nothing is decided here."""
-    cfg, ws = call.config, call.workspace
+    """Launch ``plan``'s steps in order on ``call``'s tensors and descriptors; nothing is
+    decided or taken here."""
+    descs = call.descriptors or {}
     if plan.clear_slots:  # a partial (hand-built) table leaves slots without a route
         call.slot_route.fill_(-1)
-    act = call.act
-    if act is None and plan.activation_rows:
-        act = ws.get("act", (plan.activation_rows, cfg.intermediate_size), call.weights.w_down.dtype)
-    xg = None  # the gathered x rows, taken once per run (a second request would re-poison it)
     for step in plan.steps:
         kernel = step.kernel
-        if (kernel in (GATHER_ROWS, GATE_UP_TMA) and step.tiles.gu_variant == "tma_gathered"
-                and xg is None):
-            xg = ws.get("x_gathered", (plan.max_blocks * step.tiles.block_m, cfg.head_dim),
-                        call.x.dtype)
-        if kernel == SCHEDULE:
-            fill_block_schedule(call.schedule, call.table.offsets, cfg.num_banks)
-        elif kernel == EXPERT_MLP:
-            _launch_expert_mlp(step, call)
-        elif kernel == GATHER_ROWS:
-            T.launch_gather_rows(call.x, call.table, call.schedule, xg, cfg)
+        if kernel in (EXPERT_MLP, GATE_UP_TMA, DOWN_TMA) and kernel not in descs:
+            raise ValueError(f"call.descriptors has none for {kernel}: make them with "
+                             f"descriptors.step_descriptors(plan.steps, ...)")
+        if kernel == EXPERT_MLP:
+            _launch_expert_mlp(step, call, descs[kernel])
         elif kernel == GATE_UP:
-            _launch_gate_up(step, call, act)
+            _launch_gate_up(step, call)
         elif kernel == GATE_UP_TMA:
-            _launch_gate_up_tma(step, call, act, xg)
+            _launch_gate_up_tma(step, call, descs[kernel])
         elif kernel == DOWN:
-            _launch_down(step, call, act)
+            _launch_down(step, call)
         elif kernel == DOWN_TMA:
-            _launch_down_tma(step, call, act)
+            _launch_down_tma(step, call, descs[kernel])
         elif kernel == TOPK_SUM:
             _launch_topk_sum(step, call)
+        elif kernel == GATHER_ROWS:
+            launch_gather_rows(call.x, call.table, call.schedule, call.gathered, call.config)
+        elif kernel == SCHEDULE:
+            fill_block_schedule(call.schedule, call.table.offsets, call.config.num_banks)
         else:
             raise ValueError(f"run_plan cannot launch {kernel!r}")
 
 
-def plan_call(call: FusedCall, tiles: FusedTiles, *, schedule_built: bool = False,
-              rows_only: bool = False) -> LaunchPlan:
-    """The plan :func:`fused_forward` and :func:`launch_route_rows` run for ``call``: this
-    device's facts, and on a GPU the compiled one-kernel path's shared memory."""
-    x = call.x
-    return plan_fused(call.config, call.table.num_tokens, call.table.num_routes, tiles,
-                      device_facts(x.device), call.weights, schedule_built=schedule_built,
-                      rows_only=rows_only,
-                      shared_memory_of=compiled_shared_memory(call) if x.device.type == "cuda" else None)
+def _plan_call(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,
+               tiles: FusedTiles, *, schedule_built: bool, rows_only: bool = False) -> LaunchPlan:
+    """The plan :func:`fused_call` and :func:`launch_route_rows` run: this device's facts,
+    and on a GPU the compiled one-kernel path's shared memory."""
+    return plan_fused(config, table.num_tokens, table.num_routes, tiles, device_facts(x.device),
+                      weights, schedule_built=schedule_built, rows_only=rows_only,
+                      shared_memory_of=compiled_shared_memory(weights, config)
+                      if x.device.type == "cuda" else None)
 
 
-def _call_schedule(table: RouteTable, config: MoEConfig, tiles: FusedTiles,
-                   workspace: FusedWorkspace, schedule: BlockSchedule | None) -> BlockSchedule | None:
-    """A schedule built already (checked against the table), or the buffers to build it into."""
+def _check_schedule(schedule: BlockSchedule, table: RouteTable, config: MoEConfig,
+                    tiles: FusedTiles) -> None:
+    """A schedule built already must fit the table and the tiles."""
     R = table.num_routes
-    if R == 0:
-        return None
-    if schedule is None:
-        return schedule_buffers(workspace, R, config.num_banks, tiles.block_m)
     if schedule.block_m != tiles.block_m:
         raise ValueError(f"schedule was built for block_m={schedule.block_m}, "
                          f"tiles use {tiles.block_m}")
@@ -484,7 +475,6 @@ def _call_schedule(table: RouteTable, config: MoEConfig, tiles: FusedTiles,
     if schedule.max_blocks != want:
         raise ValueError(f"schedule has {schedule.max_blocks} blocks; a table of {R} routes over "
                          f"{config.num_banks} banks needs {want}")
-    return schedule
 
 
 def launch_route_rows(x: torch.Tensor, table: RouteTable, weights: ExpertWeights,
@@ -495,10 +485,17 @@ def launch_route_rows(x: torch.Tensor, table: RouteTable, weights: ExpertWeights
     order, as the native kernel's deterministic rows) and each route's CSR index into
     ``slot_route`` ``[S*H*K]`` int32. Huge-input tests call this with lazily allocated buffers.
     Returns the plan it ran."""
-    call = FusedCall(x, table, weights, config, workspace,
-                     _call_schedule(table, config, tiles, workspace, schedule), rows, slot_route)
-    plan = plan_call(call, tiles, schedule_built=schedule is not None, rows_only=True)
-    run_plan(plan, call)
+    R = table.num_routes
+    if schedule is not None and R:
+        _check_schedule(schedule, table, config, tiles)
+    plan = _plan_call(x, table, weights, config, tiles, schedule_built=schedule is not None,
+                      rows_only=True)
+    b = expert_buffers(workspace, x.device, plan, weights, config, table.num_tokens, R, x.dtype,
+                       rows=rows, slot_route=slot_route)
+    if R and schedule is None:
+        schedule = schedule_buffers(workspace, R, config.num_banks, tiles.block_m)
+    run_plan(plan, FusedCall(x, table, weights, config, workspace, schedule if R else None, rows,
+                             slot_route, None, b.act, b.gathered, b.descriptors))
     return plan
 
 
@@ -507,29 +504,29 @@ def fused_call(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, confi
                workspace: FusedWorkspace | None = None,
                schedule: BlockSchedule | None = None,
                check_bounds: bool | None = None) -> tuple[LaunchPlan, FusedCall]:
-    """What :func:`fused_forward` runs: its inputs checked, its buffers taken from the
-    workspace, its plan made; nothing launched. An empty input gets an empty plan."""
+    """What :func:`fused_forward` runs: its inputs checked, its plan made, its buffers taken
+    from the workspace (:func:`~.fused_prepare.expert_buffers`); nothing launched. An empty
+    input gets an empty plan."""
     check_fused_inputs(x, table, weights, config, check_bounds=check_bounds)
     S, D = x.shape
     if out is None:
         out = torch.empty(S, D, dtype=x.dtype, device=x.device)
     else:
-        check_tensor("out", out, shape=(S, D), dtype=x.dtype, device=x.device)
-        if out.numel() and out.stride(-1) != 1:
-            raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
-    R = table.num_routes
+        check_out(out, x)
+        check_unit_last_stride("out", out)
     if S == 0:  # nothing to launch: the empty out stands in for the buffers no step reads
         return LaunchPlan((), tiles or INTERPRETER_TILES, device_facts(x.device), 0), FusedCall(
             x, table, weights, config, workspace, None, out, out, out)
-    workspace = workspace or shared_workspace(x.device)
-    workspace.note_capture()
+    R = table.num_routes
     tiles = tiles or choose_fused_tiles(config, R, x.device)
-    call = FusedCall(x, table, weights, config, workspace,
-                     _call_schedule(table, config, tiles, workspace, schedule),
-                     workspace.get("rows", (R, config.head_dim), torch.float32),
-                     workspace.get("slot_route", (S * config.num_heads * config.top_k,), torch.int32),
-                     out)
-    return plan_call(call, tiles, schedule_built=schedule is not None), call
+    if schedule is not None and R:
+        _check_schedule(schedule, table, config, tiles)
+    plan = _plan_call(x, table, weights, config, tiles, schedule_built=schedule is not None)
+    b = expert_buffers(workspace, x.device, plan, weights, config, S, R, x.dtype)
+    if R and schedule is None:
+        schedule = schedule_buffers(b.workspace, R, config.num_banks, tiles.block_m)
+    return plan, FusedCall(x, table, weights, config, b.workspace, schedule if R else None,
+                           b.rows, b.slot_route, out, b.act, b.gathered, b.descriptors)
 
 
 def fused_forward(x: torch.Tensor, table: RouteTable, weights: ExpertWeights, config: MoEConfig,

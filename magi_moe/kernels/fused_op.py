@@ -35,13 +35,12 @@ def fused_layer_op(x: torch.Tensor, gate: torch.Tensor, bias: Optional[torch.Ten
                    num_heads: int, head_dim: int, num_experts: int, top_k: int,
                    intermediate_size: int, score_func: str, route_norm: bool,
                    route_scale: float) -> torch.Tensor:
-    """Routing and experts of the fused layer on ``x [S, H*Dh]``; a new ``[S, H*Dh]`` tensor."""
-    from .fused_layer import fused_layer_forward
-
+    """Routing and experts of the fused layer on ``x [S, H*Dh]``; a new ``[S, H*Dh]`` tensor:
+    :func:`layer_forward`'s eager path (an operator's body runs outside tracing)."""
     config = MoEConfig(num_heads, head_dim, num_experts, top_k, intermediate_size,
                        score_func=score_func, route_norm=route_norm, route_scale=route_scale,
                        dtype=x.dtype)
-    return fused_layer_forward(x, gate, bias, ExpertWeights(w_gate, w_up, w_down), config)
+    return layer_forward(x, gate, bias, ExpertWeights(w_gate, w_up, w_down), config)
 
 
 @fused_layer_op.register_fake

@@ -21,7 +21,7 @@ on the host; the returned table's tensors are views into it, valid until the nex
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -31,8 +31,8 @@ import triton.language as tl
 from ..backends import interpreter_enabled
 from ..config import MoEConfig
 from ..routing import NORM_EPS, RouteTable
-from ..validation import check_kernel_device, check_same_device, check_tensor
-from .schedule import BlockSchedule, launch_block_schedule
+from .fused_inputs import check_router_inputs
+from .schedule import BlockSchedule, cdiv, fill_block_schedule, schedule_buffers
 from .tiles import RoutingTiles, choose_routing_tiles
 from .workspace import FusedWorkspace, shared_workspace
 
@@ -271,35 +271,32 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
                 config: MoEConfig, *, block_m: int | None = None,
                 workspace: FusedWorkspace | None = None,
                 tiles: RoutingTiles | None = None) -> FusedRoutes:
-    """Route ``x`` ``[S, H*Dh]`` with ``gate`` ``[H*E, Dh]`` fp32 and ``bias`` ``[H*E]`` fp32.
+    """Route ``x`` ``[S, H*Dh]`` with ``gate`` ``[H*E, Dh]`` fp32 and ``bias`` ``[H*E]`` fp32:
+    the inputs checked (:func:`~.fused_inputs.check_router_inputs`), then :func:`launch_router`.
 
     ``block_m``: also build the expert kernels' block schedule for this row block (one launch
     fewer than building it in :func:`~magi_moe.kernels.fused.fused_forward`)."""
-    H, E, K, Dh = config.num_heads, config.num_experts, config.top_k, config.head_dim
-    check_tensor("x", x, shape=(None, config.hidden_size),
-                 dtype=(torch.bfloat16, torch.float16, torch.float32))
-    check_tensor("gate", gate, shape=(config.num_banks, Dh), dtype=torch.float32)
-    if x.numel() and x.stride(-1) != 1:
-        raise ValueError(f"x must have unit stride in its last dim, got strides {x.stride()}")
-    if not gate.is_contiguous():
-        raise ValueError("gate must be contiguous")
-    if bias is not None:
-        check_tensor("bias", bias, shape=(config.num_banks,), dtype=torch.float32)
-        if not bias.is_contiguous():
-            raise ValueError("bias must be contiguous")
-        check_same_device(x=x, gate=gate, bias=bias)
-    else:
-        check_same_device(x=x, gate=gate)
-    check_kernel_device("x", x)
-    S = x.shape[0]
-    R = S * H * K
-    if R >= 2**31:
-        raise ValueError(f"{S} tokens give {R} routes; the route table's int32 fields need < 2^31")
+    check_router_inputs(x, gate, bias, config)
     workspace = workspace or shared_workspace(x.device)
     workspace.note_capture()
     tiles = (tiles or choose_routing_tiles(config, x.device)).fitted(config)
+    # The router writes the CSR offsets with the schedule's launch, so it builds one always.
+    routes = launch_router(x, gate, bias, config, tiles, workspace, block_m or 16)
+    return routes if block_m is not None else replace(routes, schedule=None)
+
+
+def launch_router(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+                  config: MoEConfig, tiles: RoutingTiles, workspace: FusedWorkspace,
+                  block_m: int) -> FusedRoutes:
+    """The router's four launches on checked inputs and fitted ``tiles``, and the expert
+    kernels' block schedule for ``block_m`` built with them; every buffer is ``workspace``'s
+    (told of a CUDA graph capture already: ``FusedWorkspace.note_capture``)."""
+    H, E, K, Dh = config.num_heads, config.num_experts, config.top_k, config.head_dim
+    S = x.shape[0]
+    R = S * H * K
     HE = config.num_banks
-    TB = triton.cdiv(S, tiles.block_s)
+    TB = cdiv(S, tiles.block_s)
+    schedule = schedule_buffers(workspace, R, HE, block_m) if S else None
     ids = workspace.get("route_ids", (S, H, K), torch.int32)
     probs = workspace.get("route_probs", (S, H, K), torch.float32)
     block_counts = workspace.get("route_block_counts", (TB, HE), torch.int32)
@@ -332,15 +329,15 @@ def fused_route(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
         TUPLE_PICKS=not interpret if FORCE_TUPLE_PICKS is None else FORCE_TUPLE_PICKS,
         num_warps=tiles.warps,
     )
-    bank_prefix_kernel[(triton.cdiv(HE, tiles.prefix_block_b),)](
+    bank_prefix_kernel[(cdiv(HE, tiles.prefix_block_b),)](
         block_counts, prefix, totals, TB, HE,
         BLOCK_TB=tiles.prefix_block_tb, BLOCK_B=tiles.prefix_block_b,
         num_warps=4 if not interpret else 1,
     )
-    schedule = launch_block_schedule(offsets, R, HE, block_m or 16, workspace, counts=totals)
+    fill_block_schedule(schedule, offsets, HE, counts=totals)
     place_routes_kernel[(TB, H)](
         ids, probs, prefix, offsets, gather_ids, sorted_probs, route_slots, S,
         NUM_HEADS=H, NUM_EXPERTS=E, E_PAD=max(16, triton.next_power_of_2(E)), TOP_K=K,
         BLOCK_S=tiles.block_s, num_warps=tiles.place_warps,
     )
-    return FusedRoutes(ids, probs, table, schedule if block_m is not None else None)
+    return FusedRoutes(ids, probs, table, schedule)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..backends import interpreter_enabled
 from .blocks import activation, block_rows, block_x_rows, store_activation, store_weighted_rows
 from .rounding import round_operand, swiglu7
 
@@ -214,18 +213,3 @@ def expert_mlp_tma_kernel(
         store_weighted_rows(acc, rows, row_mask, tl.arange(0, HEAD_DIM), probs_ptr, slots_ptr,
                             rows_ptr, slot_route_ptr, stride_rows)
         block += tl.num_programs(0)
-
-
-# ---------------------------------------------------------------------------------------------
-# host side
-# ---------------------------------------------------------------------------------------------
-def launch_gather_rows(x, table, schedule, xg, config) -> None:
-    """Each live block's ``x`` rows into ``xg`` ``[max_blocks*BLOCK_M, Dh]`` in padded-block
-    order (the ``tma_gathered`` variant's first launch)."""
-    dh = config.head_dim
-    gather_rows_kernel[(schedule.max_blocks,)](
-        x, table.gather_ids, table.offsets, schedule.block_bank, schedule.block_start,
-        schedule.block_count, xg, x.stride(0), xg.stride(0), config.num_experts,
-        HEAD_DIM=dh, DH_PAD=max(16, triton.next_power_of_2(dh)), BLOCK_M=schedule.block_m,
-        num_warps=1 if interpreter_enabled() else 4,
-    )

@@ -28,29 +28,12 @@ from ..config import MoEConfig
 from ..weights import ExpertWeights
 from .descriptors import banked_problem, matrix_rows_problem
 from .device import DeviceFacts, persistent_grid
+from .launch_steps import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA,  # noqa: F401
+                           GATHER_ROWS, SCHEDULE, TOPK_SUM, LaunchStep)  # (handed on)
 from .schedule import cdiv, max_blocks, schedule_programs
 from .tiles import FusedTiles, two_kernel_tiles
 
-SCHEDULE = "block_schedule_kernel"
-EXPERT_MLP = "expert_mlp_tma_kernel"
-GATHER_ROWS = "gather_rows_kernel"
-GATE_UP = "gate_up_kernel"
-GATE_UP_TMA = "gate_up_tma_kernel"
-DOWN = "down_kernel"
-DOWN_TMA = "down_tma_kernel"
-TOPK_SUM = "topk_sum_kernel"
 NO_TMA = "no TMA (tensor descriptors) before Hopper"
-
-
-@dataclass(frozen=True)
-class LaunchStep:
-    """One launch: the Triton kernel's name, its grid (programs) and the tiles it runs with
-    (for ``gate_up_tma_kernel`` the variant, ``tma`` or ``tma_gathered``, and the activation
-    store are the tiles' ``gu_variant`` and ``gu_act_store``)."""
-
-    kernel: str
-    grid: int
-    tiles: FusedTiles
 
 
 @dataclass(frozen=True)
@@ -110,11 +93,9 @@ def _one_kernel_problems(config: MoEConfig, facts: DeviceFacts, weights: ExpertW
     return ([head] if head else []) + _weight_problems(weights, ("w_gate", "w_up", "w_down"))
 
 
-def _gate_up_step(config: MoEConfig, nb: int, tiles: FusedTiles, facts: DeviceFacts,
+def _gate_up_step(nb: int, grid: int, tiles: FusedTiles, facts: DeviceFacts,
                   weights: ExpertWeights, reasons: list[str]) -> list[LaunchStep]:
     """The gate/up launches of the two-kernel path (a gather pass first for ``tma_gathered``)."""
-    grid = persistent_grid(nb * (config.intermediate_size // tiles.gu_block_n),
-                           tiles.gu_programs_per_sm, facts)
     variant = tiles.gu_variant
     if variant == "kloop":
         return [LaunchStep(GATE_UP, grid, tiles)]
@@ -133,10 +114,8 @@ def _gate_up_step(config: MoEConfig, nb: int, tiles: FusedTiles, facts: DeviceFa
     return steps + [LaunchStep(GATE_UP_TMA, grid, tiles)]
 
 
-def _down_step(config: MoEConfig, nb: int, tiles: FusedTiles, facts: DeviceFacts,
+def _down_step(nb: int, grid: int, tiles: FusedTiles, facts: DeviceFacts,
                weights: ExpertWeights, reasons: list[str]) -> LaunchStep:
-    grid = persistent_grid(nb * (config.head_dim // tiles.down_block_n),
-                           tiles.down_programs_per_sm, facts)
     if tiles.down_variant == "ptr":
         return LaunchStep(DOWN, grid, tiles)
     why = [NO_TMA] if not facts.tma else _weight_problems(weights, ("w_down",))
@@ -159,17 +138,26 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
     fuzzer's entry; the caller then owns ``slot_route``'s unrouted slots). ``shared_memory_of(step)``: bytes of shared memory the step's compiled
     kernel needs; asked only for the one-kernel step, only where ``facts.shared_memory`` is
     known (on a GPU), and only once everything else allows the step."""
+    # Every size first, then the choices: the grids of both expert paths are known up front
+    # (``two``: the two-kernel path's tiles, the asked ones unless they ask for "mlp_tma").
+    two = two_kernel_tiles(tiles, config)
+    nb = max_blocks(num_routes, config.num_banks, tiles.block_m) if num_routes else 0
+    sum_grid = cdiv(num_tokens * config.num_heads, tiles.sum_block_t)
+    schedule_grid = schedule_programs(num_routes, config.num_banks, tiles.block_m, facts)
+    one_grid = persistent_grid(nb, tiles.gu_programs_per_sm, facts)
+    gate_up_grid = persistent_grid(nb * (config.intermediate_size // two.gu_block_n),
+                                   two.gu_programs_per_sm, facts)
+    down_grid = persistent_grid(nb * (config.head_dim // two.down_block_n),
+                                two.down_programs_per_sm, facts)
     reasons: list[str] = []
     steps: list[LaunchStep] = []
     act_rows = 0
-    nb = max_blocks(num_routes, config.num_banks, tiles.block_m) if num_routes else 0
     if num_routes:
         if not schedule_built:
-            steps.append(LaunchStep(SCHEDULE, schedule_programs(
-                num_routes, config.num_banks, tiles.block_m, facts), tiles))
+            steps.append(LaunchStep(SCHEDULE, schedule_grid, tiles))
         expert = tiles
         if tiles.gu_variant == "mlp_tma":
-            one = LaunchStep(EXPERT_MLP, persistent_grid(nb, tiles.gu_programs_per_sm, facts), tiles)
+            one = LaunchStep(EXPERT_MLP, one_grid, tiles)
             why = _one_kernel_problems(config, facts, weights)
             if not why and facts.shared_memory is not None and shared_memory_of is not None:
                 need = shared_memory_of(one)
@@ -178,17 +166,16 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
                                f"of shared memory > the GPU's {facts.shared_memory / 1024:.1f} KiB")
             if why:
                 reasons.append(f"gu_variant 'mlp_tma' -> {GATE_UP} + {DOWN}: " + "; ".join(why))
-                expert = two_kernel_tiles(tiles, config)
+                expert = two
             else:
                 steps.append(one)
                 expert = None
         if expert is not None:
-            steps += _gate_up_step(config, nb, expert, facts, weights, reasons)
-            steps.append(_down_step(config, nb, expert, facts, weights, reasons))
+            steps += _gate_up_step(nb, gate_up_grid, expert, facts, weights, reasons)
+            steps.append(_down_step(nb, down_grid, expert, facts, weights, reasons))
             act_rows = nb * expert.block_m
     sums = not rows_only and num_tokens > 0
     if sums:
-        pairs = num_tokens * config.num_heads
-        steps.append(LaunchStep(TOPK_SUM, cdiv(pairs, tiles.sum_block_t), tiles))
+        steps.append(LaunchStep(TOPK_SUM, sum_grid, tiles))
     clear = sums and num_routes < num_tokens * config.num_heads * config.top_k
     return LaunchPlan(tuple(steps), tiles, facts, nb, tuple(reasons), clear, act_rows)

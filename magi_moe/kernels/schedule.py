@@ -130,12 +130,14 @@ def _launch_shape(num_blocks_bound: int, num_banks: int,
     interpreted = interpreter_enabled()
     slots = 64 if interpreted else max(1, min(64, 16384 // pad))
     warps = 1 if interpreted else 8
-    return persistent_grid(cdiv(num_blocks_bound, slots), 2, device), slots, warps, pad
+    chunks = cdiv(num_blocks_bound, slots)
+    return persistent_grid(chunks, 2, device), slots, warps, pad
 
 
 def schedule_programs(num_routes: int, num_banks: int, block_m: int, facts: DeviceFacts) -> int:
     """The grid of :func:`fill_block_schedule` for this problem on a device with ``facts``."""
-    return _launch_shape(max_blocks(num_routes, num_banks, block_m), num_banks, facts)[0]
+    bound = max_blocks(num_routes, num_banks, block_m)
+    return _launch_shape(bound, num_banks, facts)[0]
 
 
 def fill_block_schedule(schedule: BlockSchedule, offsets: torch.Tensor, num_banks: int, *,

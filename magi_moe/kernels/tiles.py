@@ -134,6 +134,7 @@ PORTABLE_TILES = FusedTiles(block_m=64, gu_block_n=64, gu_block_k=64, gu_warps=4
                             down_block_n=128, down_block_k=32, down_warps=4, down_stages=2)
 
 
+@lru_cache(maxsize=1024)  # the planner asks on every call
 def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
     """Tiles for the gate/up and down kernels where a one-kernel ("mlp_tma") entry cannot run:
     the portable tiles at the entry's ``block_m``, so a block schedule already built for it
@@ -363,3 +364,11 @@ def choose_routing_tiles(config: MoEConfig, device: torch.device) -> RoutingTile
     if device.type != "cuda":
         return INTERPRETER_ROUTING_TILES.fitted(config)
     return gpu_routing_tiles(torch.cuda.get_device_name(device)).fitted(config)
+
+
+def choose_layer_tiles(config: MoEConfig, num_routes: int,
+                       device: torch.device) -> tuple[RoutingTiles, FusedTiles]:
+    """The fused layer's two choices at once: the router's tiles (fitted) and the expert
+    kernels' for ``num_routes`` routes."""
+    return (choose_routing_tiles(config, device).fitted(config),
+            choose_fused_tiles(config, num_routes, device))
