@@ -10,7 +10,9 @@
 #   layer    the fused layer against its kernel: both timed in one run, each launch alone
 #            (--breakdown: route = the layer's router, layer = the whole layer), and the
 #            layer's kernels by torch.profiler
-# Results go to $OUT (or ./gpu-out): logs and JSON. ITERS: timed calls per path (default 30).
+# Results go to $OUT (or ./gpu-out): logs and JSON. ITERS: timed calls per path (default 30);
+# HISTORY_K: which benchmark tests (-k, default impl_anchor); COMPARE_FAIL: e.g. median:10%,
+# pytest-benchmark's fail threshold for the second run (default none: the comparison is shown).
 set -uo pipefail
 SPEC=${1:-tests.outside_grouped_example:IMPL}
 shift || true
@@ -32,8 +34,8 @@ for step in $STEPS; do
     history)
       for run in save compare; do
         extra=--benchmark-autosave
-        [ $run = compare ] && extra="--benchmark-compare --benchmark-compare-fail=median:25%"
-        timeout 180 $PY -m pytest -q -p no:cacheprovider tests/benchmarks -k impl_anchor \
+        [ $run = compare ] && extra="--benchmark-compare ${COMPARE_FAIL:+--benchmark-compare-fail=$COMPARE_FAIL}"
+        timeout 180 $PY -m pytest -q -p no:cacheprovider tests/benchmarks -k "${HISTORY_K:-impl_anchor}" \
             --impl "$SPEC" --backend cuda --benchmark-storage "file://$OUT/benchmark-history" \
             $extra --benchmark-columns=median,iqr,rounds 2>&1 | tail -40 | tee "$OUT/history-$run.log"
       done ;;
