@@ -35,14 +35,24 @@ class Problem:
 
 def random_problem(config: MoEConfig, num_tokens: int, *, seed: int, device="cpu",
                    x_std: float = 1.0, gate_std: float = 0.25, bias_std: float = 0.05,
-                   weight_std: float = 0.02, dtype: torch.dtype | None = None) -> Problem:
-    """A fresh problem drawn on the CPU from ``seed`` (identical on every device), then moved."""
+                   weight_std: float = 0.02, dtype: torch.dtype | None = None,
+                   draw_unrouted: bool = True) -> Problem:
+    """A fresh problem drawn on the CPU from ``seed`` (identical on every device), then moved.
+
+    ``draw_unrouted=False``: only the routed banks' weights are drawn, the others are negated
+    copies of them (:func:`~magi_moe.weights.random_weights`' ``banks``): for a few tokens at
+    production widths, where drawing every bank takes seconds."""
     dtype = dtype or config.dtype
     gen = torch.Generator().manual_seed(seed)
     x = (torch.randn(num_tokens, config.hidden_size, generator=gen) * x_std).to(dtype)
     gate = torch.randn(config.num_banks, config.head_dim, generator=gen) * gate_std
     bias = torch.randn(config.num_banks, generator=gen) * bias_std if bias_std else None
-    weights = random_weights(config, dtype=dtype, std=weight_std, generator=gen)
+    banks = None
+    if not draw_unrouted:  # the banks the CPU router picks (a device's near-tie may differ: the
+        # bank it picks instead still holds finite random weights, a negated copy)
+        head = torch.arange(config.num_heads).view(1, -1, 1) * config.num_experts
+        banks = torch.unique(route(x, gate, bias, config).expert_ids + head)
+    weights = random_weights(config, dtype=dtype, std=weight_std, generator=gen, banks=banks)
     x, gate = x.to(device), gate.to(device)
     bias = bias.to(device) if bias is not None else None
     weights = weights.to(device)

@@ -29,13 +29,25 @@ class ExpertWeights(NamedTuple):
 
 
 def random_weights(config: MoEConfig, *, device="cpu", dtype=None, std: float = 0.02,
-                   generator: torch.Generator | None = None) -> ExpertWeights:
-    """Fresh N(0, std^2) expert weights rounded to ``dtype`` (the config's by default)."""
+                   generator: torch.Generator | None = None,
+                   banks: torch.Tensor | None = None) -> ExpertWeights:
+    """Fresh N(0, std^2) expert weights rounded to ``dtype`` (the config's by default).
+
+    ``banks``: draw only these banks (int64 indices into ``H*E``); every other bank holds the
+    negated weights of a drawn one, so a kernel that reads a wrong bank still reads other
+    values. At production widths a few tokens route to a few dozen of the 768 banks, whose full
+    draw takes 15 s on one CPU core; this takes a second."""
     dtype = dtype or config.dtype
     HE, Dh, I = config.num_banks, config.head_dim, config.intermediate_size
 
     def draw(*shape):
-        w = torch.randn(*shape, generator=generator, dtype=torch.float32) * std
-        return w.to(device=device, dtype=dtype)
+        rows = shape[0] if banks is None else banks.numel()
+        w = torch.randn(rows, *shape[1:], generator=generator, dtype=torch.float32) * std
+        w = w.to(dtype)
+        if banks is not None:
+            drawn = w
+            w = -drawn[torch.arange(shape[0]) % rows]
+            w[banks] = drawn
+        return w.to(device=device)
 
     return ExpertWeights(draw(HE, Dh, I), draw(HE, Dh, I), draw(HE, I, Dh))
