@@ -22,6 +22,7 @@ def _pytest(*args: str, interpret: bool | None) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # a child pytest run: 12 s on two cores
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("triton"), reason="needs triton")
 def test_an_impl_that_ran_no_test_fails_the_run_with_the_reason():
     run = _pytest("--impl", "fused", "--backend", "interpret", interpret=False)
