@@ -77,12 +77,10 @@ def compiling_for(arch: int, log: list):
         for name in names:
             saved.append((module, name, getattr(module, name)))
             setattr(module, name, AheadOfTime(getattr(module, name), name, target, log))
-    for module in (device, importlib.import_module("magi_moe.kernels.fused")):
-        if hasattr(module, "tma_supported"):
-            saved.append((module, "tma_supported", module.tma_supported))
-            module.tma_supported = lambda _: arch >= 90
-    # the launchers refuse CPU tensors outside the interpreter; here nothing runs on them
-    for module_name in ("magi_moe.kernels.fused", "magi_moe.kernels.fused_routing"):
+    saved.append((device, "tma_supported", device.tma_supported))
+    device.tma_supported = lambda _: arch >= 90
+    # the input checks refuse CPU tensors outside the interpreter; here nothing runs on them
+    for module_name in ("magi_moe.kernels.fused_inputs",):
         module = importlib.import_module(module_name)
         saved.append((module, "check_kernel_device", module.check_kernel_device))
         module.check_kernel_device = lambda name, value: None

@@ -31,11 +31,22 @@ except ImportError:  # the fuzz package is optional for the core suite
     load_default_profile = None
 
 
-# Rows of the implementation matrix measured at over ten seconds each on the 2-core CI machine
-# (--durations, idle): the slow tier, like the tests marked slow in their own files. Each clause
-# keeps quicker rows of the same implementation in the quick tier (fused@interpret's determinism:
-# test_deterministic_mode_is_bitwise_repeatable).
+# Tests and rows of the implementation matrix measured at over six seconds each on the 2-core CI
+# machine (--durations, idle): the slow tier, like the tests marked slow in their own files. Each
+# clause keeps quicker rows of the same implementation in the quick tier (fused@interpret's
+# determinism: test_deterministic_mode_is_bitwise_repeatable; int64 offsets:
+# test_every_fused_kernel_addresses_rows_past_2_31).
 SLOW_ROWS = (
+    # child pytest runs, 7-9 s each
+    "test_vacuous_runs.py::test_a_run_that_tested_something_passes",
+    "test_vacuous_runs.py::test_a_plain_run_without_a_gpu_tests_the_kernels",
+    "test_vacuous_runs.py::test_a_whole_run_that_tested_no_kernel_fails",
+    "test_fuzz_profiles.py::test_plain_pytest_has_no_deadline",
+    "test_router_judge.py::test_conformance_run_fails_an_outside_router_that_forgets_the_l1_normalisation",
+    # negative controls: planted int32 offsets, 7-8 s each; the SASS inspection, 8 s
+    "test_fused_offsets.py::test_an_int32_offset_planted_in_a_fused_kernel_is_caught",
+    "test_inspect_kernel.py::test_the_plain_one_kernel_loop_is_one_warpgroup_of_mmas_without_spills",
+    "test_outside_broken_kernels.py::test_fixed_cases_outside_the_declared_shapes_run_at_the_nearest_accepted_widths",
     "test_fuzz_properties.py::test_property[huge_offsets-torch-bf16@cpu]",  # 28 s: a child process
     "test_fuzz_properties.py::test_property[deterministic-fused@interpret]",  # 16 s
     "test_fuzz_properties.py::test_property[empty_experts-fused@interpret]",  # 11 s
@@ -53,7 +64,7 @@ SLOW_ROWS = (
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.nodeid.endswith(SLOW_ROWS):
+        if item.nodeid.endswith(SLOW_ROWS) or item.nodeid.split("[")[0].endswith(SLOW_ROWS):
             item.add_marker(pytest.mark.slow)
 
 

@@ -36,3 +36,13 @@ def test_never_more_calls_than_asked():
     groups = timing.pace_groups({"a": _sleeper(1), "b": _sleeper(30)}, iters=2,
                                 device=torch.device("cpu"))
     assert [n for _, n in groups] == [2, 2]
+
+
+def test_routers_are_paths_of_the_implementations_that_declare_one():
+    from magi_moe.bench.paths import ROUTING_PATHS, resolve
+    from magi_moe.impls import BUILTINS
+
+    declared = {impl.name + "-routing" for impl in BUILTINS if impl.router is not None}
+    assert set(ROUTING_PATHS) == {"routing"} | declared and "fused-routing" in declared
+    assert resolve("routing").impl is None and resolve("fused-routing").impl.name == "fused"
+    assert all(resolve(name).level == "routing" for name in ROUTING_PATHS)

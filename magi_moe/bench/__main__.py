@@ -20,8 +20,9 @@ Paths come from the implementations' declarations (:mod:`.paths`): ``NAME`` is a
 implementation at kernel level (its ``forward`` on precomputed routes, after its
 ``prepare_weights``: ``fused`` packs its weights), ``NAME-layer`` its own layer, routing included.
 Built in: ``native``, ``native-det`` (the native kernel, atomic / deterministic), ``fused``,
-``torch-bf16`` (the plain per-expert loop; slow), each also as ``NAME-layer``; ``routing`` (torch
-router + CSR sort) and ``fused-routing``.
+``torch-bf16`` (the plain per-expert loop; slow), each also as ``NAME-layer``; routers:
+``routing`` (the contract's torch router + CSR sort) and ``NAME-routing`` for an implementation
+that declares a ``router`` of its own (``fused-routing``, or yours with ``--impl``).
 
 ``--impl NAME|package.module:attr`` (repeatable) adds an implementation of your own at both levels,
 timed beside ``fused`` and the plain PyTorch baseline (``torch-bf16``) on the same drawn problems. Every implementation path is judged first (:func:`magi_moe.audit.judge.judge`

@@ -8,8 +8,11 @@ An implementation ``NAME`` (a registered name or ``package.module:attr``) gives 
   ``prepare_weights`` (packed, for ``fused``), into a pre-allocated output;
 * ``NAME-layer``, layer level: its own layer (:meth:`Implementation.layer`), routing included.
 
-Two routers are timed by name as well: ``routing`` (torch router + CSR sort) and
-``fused-routing`` (the fused routing kernels)."""
+Routers are paths too: ``routing`` is the contract's router (:func:`magi_moe.routing.route`
+and the CSR sort), the one an implementation without a ``router`` of its own takes, and an
+implementation that declares one gives ``NAME-routing`` (its ``route``: ``fused-routing`` is the
+fused routing kernels). Routers are timed, not judged here (the audit and
+``tests/test_router_conformance.py`` judge them)."""
 from __future__ import annotations
 
 import dataclasses
@@ -28,21 +31,18 @@ Level = Literal["kernel", "layer", "routing"]
 LAYER_SUFFIX = "-layer"
 
 
-def _torch_routing(problem: Problem) -> Callable[[], torch.Tensor]:
+ROUTING_SUFFIX = "-routing"
+CONTRACT_ROUTING = "routing"
+
+
+def _contract_routing(problem: Problem) -> Callable[[], torch.Tensor]:
     p = problem
     return lambda: build_route_table(route(p.x, p.gate, p.bias, p.config), p.config).offsets
 
 
-def _fused_routing(problem: Problem) -> Callable[[], torch.Tensor]:
-    from ..kernels.fused_routing import fused_route
-
+def _declared_routing(impl: Implementation, problem: Problem) -> Callable[[], torch.Tensor]:
     p = problem
-    return lambda: fused_route(p.x, p.gate, p.bias, p.config, block_m=64).table.offsets
-
-
-# Routers timed alone: name -> (builder, runs plain PyTorch)
-ROUTERS = {"routing": (_torch_routing, True), "fused-routing": (_fused_routing, False)}
-ROUTING_PATHS = tuple(ROUTERS)
+    return lambda: impl.route(p.x, p.gate, p.bias, p.config).probs
 
 
 class KernelCall:
@@ -83,7 +83,8 @@ def _layer(problem: Problem, impl: Implementation):
 
 @dataclass(frozen=True)
 class BenchPath:
-    """One timed path: an implementation at kernel or layer level, or a router (``impl`` None)."""
+    """One timed path: an implementation at kernel or layer level, or a router (an
+    implementation's declared router, or the contract's with ``impl`` None)."""
 
     name: str
     level: Level
@@ -93,16 +94,13 @@ class BenchPath:
     def plain_pytorch(self) -> bool:
         """Runs without Triton kernels (so on the CPU without the interpreter)."""
         if self.impl is None:
-            return ROUTERS[self.name][1]
+            return True
         return self.impl.plain_pytorch
 
     def cannot_run_on(self, device: torch.device) -> str | None:
         """Why this path cannot run on ``device``, or None (the implementation's own answer)."""
         if self.impl is None:
-            if self.plain_pytorch or device.type == "cuda":
-                return None
-            from ..backends import BACKENDS
-            return BACKENDS["interpret"].skip_reason()
+            return None
         return self.impl.skip_reason(device)
 
     def unsupported(self, problem: Problem) -> str | None:
@@ -114,8 +112,9 @@ class BenchPath:
     def build(self, problem: Problem) -> Callable[[], torch.Tensor]:
         """The zero-argument callable, with every piece of state (output, prepared weights,
         layer) built here, so that the timed call does only the path's own work."""
-        if self.impl is None:
-            return ROUTERS[self.name][0](problem)
+        if self.level == "routing":
+            return (_contract_routing(problem) if self.impl is None
+                    else _declared_routing(self.impl, problem))
         if self.level == "kernel":
             return KernelCall(self.impl, problem)
         return LayerCall(_layer(problem, self.impl), problem.x)
@@ -136,10 +135,17 @@ def paths_of(impl: Implementation) -> tuple[BenchPath, BenchPath]:
     return BenchPath(impl.name, "kernel", impl), BenchPath(impl.name + LAYER_SUFFIX, "layer", impl)
 
 
+def routing_path_of(impl: Implementation) -> BenchPath | None:
+    """``NAME-routing``, the implementation's declared router, or None where it declares none."""
+    return None if impl.router is None else BenchPath(impl.name + ROUTING_SUFFIX, "routing", impl)
+
+
 # magi-moe's own paths: every built-in implementation but the float64 oracle, at both levels
 BUILTIN_PATHS: dict[str, BenchPath] = {
     **{p.name: p for impl in BUILTINS if not impl.is_oracle for p in paths_of(impl)},
-    **{name: BenchPath(name, "routing") for name in ROUTERS}}
+    CONTRACT_ROUTING: BenchPath(CONTRACT_ROUTING, "routing"),
+    **{p.name: p for p in map(routing_path_of, BUILTINS) if p is not None}}
+ROUTING_PATHS = tuple(n for n, p in BUILTIN_PATHS.items() if p.level == "routing")
 ALL_PATHS = tuple(BUILTIN_PATHS)
 DEFAULT_PATHS = ("native", "native-det", "fused", "fused-layer")
 # Beside an outside implementation (--impl): the fused path at both levels and the plain PyTorch
@@ -148,7 +154,7 @@ COMPARED_PATHS = ("fused", "fused-layer", BASELINE.name, BASELINE.name + LAYER_S
 
 
 def resolve(name: str) -> BenchPath:
-    """The path called ``name``: a router, ``IMPL-layer`` or ``IMPL`` for a registered
+    """The path called ``name``: ``routing``, ``IMPL-routing``, ``IMPL-layer`` or ``IMPL`` for a registered
     implementation (``IMPL`` may be ``package.module:attr``); ValueError otherwise."""
     if name in BUILTIN_PATHS:
         return BUILTIN_PATHS[name]
@@ -157,6 +163,13 @@ def resolve(name: str) -> BenchPath:
             return paths_of(get_implementation(name.removesuffix(LAYER_SUFFIX)))[1]
         except ValueError:
             pass
+    if name.endswith(ROUTING_SUFFIX):
+        try:
+            routing = routing_path_of(get_implementation(name.removesuffix(ROUTING_SUFFIX)))
+        except ValueError:
+            routing = None
+        if routing is not None:
+            return routing
     try:
         impl = get_implementation(name)
     except (ValueError, TypeError):
@@ -223,13 +236,13 @@ def _route_mismatches(judged: Problem, problem: Problem) -> dict:
 
 def check_paths(problem: Problem, paths: list[BenchPath],
                 fns: dict[str, Callable[[], torch.Tensor]]) -> dict[str, dict]:
-    """Every implementation path judged on ``problem`` (routers are not judged); a path whose
+    """Every implementation path judged on ``problem`` (routing paths are not judged); a path whose
     check raises is reported as ``error`` with the exception. The plain PyTorch baseline's
     output, which the judge compares with, is computed once per problem."""
     report: dict[str, dict] = {}
     baseline = None
     for path in paths:
-        if path.impl is None:
+        if path.level == "routing":
             continue
         if baseline is None:
             p = problem
