@@ -111,6 +111,12 @@ def pytest_configure(config):
     config._magi_moe_tally = Tally(config)
     config.pluginmanager.register(config._magi_moe_tally, "magi_moe_tally")
     if config.getoption("--impl", None):
+        # `--impl team_kernel:IMPL` from the team's directory: importable under a bare `pytest`
+        # (which, unlike `python -m pytest`, leaves the current directory off sys.path) and in
+        # pytest-xdist workers, as in `magi-moe check`
+        from .cli import use_current_directory
+
+        use_current_directory()
         selected_impls(config)  # a bad --impl: one usage error now, not one per test module
 
 

@@ -43,6 +43,7 @@ SLOW_ROWS = (
     "test_vacuous_runs.py::test_a_whole_run_that_tested_no_kernel_fails",
     "test_fuzz_profiles.py::test_plain_pytest_has_no_deadline",
     "test_router_judge.py::test_conformance_run_fails_an_outside_router_that_forgets_the_l1_normalisation",
+    "test_usage_errors.py::test_a_bare_pytest_loads_the_teams_module_from_its_directory",
     # negative controls: planted int32 offsets, 7-8 s each; the SASS inspection, 8 s
     "test_fused_offsets.py::test_an_int32_offset_planted_in_a_fused_kernel_is_caught",
     "test_inspect_kernel.py::test_the_plain_one_kernel_loop_is_one_warpgroup_of_mmas_without_spills",

@@ -308,3 +308,18 @@ def test_the_campaign_pytest_ends_when_its_runner_is_killed(tmp_path):
     finally:
         if runner.poll() is None:
             runner.kill()
+
+
+def test_a_bare_pytest_loads_the_teams_module_from_its_directory(tmp_path):
+    """`pytest --pyargs magi_moe.tests.benchmarks --impl team:IMPL` from the team's directory:
+    the console script, unlike `python -m pytest`, leaves the directory off sys.path (-P here)."""
+    (tmp_path / "team_module.py").write_text(
+        "import dataclasses\n"
+        "from magi_moe.tests.outside_impl_example import IMPL as _EXAMPLE\n"
+        "IMPL = dataclasses.replace(_EXAMPLE, name='team-from-cwd')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    bench = Path(__file__).resolve().parent / "test_bench_pace.py"
+    proc = subprocess.run([sys.executable, "-P", "-m", "pytest", str(bench), "--co", "-q",
+                           "-p", "no:cacheprovider", "--allow-vacuous", "--impl", "team_module:IMPL"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
