@@ -10,7 +10,7 @@ import torch
 def device_median_ms(benchmark, fn: Callable[[], object], device, flush_bytes: int, *,
                      rounds: int = 30, warmup: int = 5) -> float:
     """Time ``fn`` with ``benchmark.pedantic`` (the round synchronises, so pytest-benchmark sees
-    device time plus launch overhead); return the median device time, in ms, that CUDA events
+    the GPU's time plus launch overhead); return the median GPU time, in ms, that CUDA events
     measured over the rounds after the warm-up."""
     flush = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
     events = []

@@ -4,7 +4,7 @@ harness on every commit. ``python -m magi_moe.bench`` is the fuller tool (floors
 alternated paths); these tests exist to be saved and compared across commits.
 
 GPU timings: the L2 is flushed in each round's setup; the timed call synchronises, so a round is
-the path's device time plus its launch overhead. The device time from CUDA events and the
+the path's GPU time plus its launch overhead. The GPU time from CUDA events and the
 floors go into ``extra_info``.
 """
 from __future__ import annotations
