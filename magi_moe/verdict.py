@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PASS, FAIL, NOT_DECLARED, UNSUPPORTED, NOT_RUN = "PASS", "FAIL", "NOT DECLARED", "UNSUPPORTED", "NOT RUN"
 STATUSES = (FAIL, PASS, NOT_DECLARED, UNSUPPORTED, NOT_RUN)
@@ -170,15 +170,51 @@ def _fold(subject: str, clause_: Clause, outcomes: list[Outcome]) -> ClauseVerdi
     return row
 
 
+# The accuracy judge's own failures (audit.judge: the bounds, the baseline ratio, faithfulness to
+# the precision model), wherever a test quotes them; "written" (unwritten elements) is not one.
+_INACCURATE = re.compile(r"FAILED on (bounds|baseline|faithfulness)\b")
+
+
+def _counted_under_accuracy(by_clause: dict[str, list[Outcome]]) -> dict[str, int]:
+    """One root cause, one FAIL row: where the accuracy clause fails, another clause's cases that
+    failed only on the accuracy judge (an edge shape computed inaccurately, say) move to the
+    accuracy row. Where accuracy passes they stay: then the inaccuracy is the edge's own."""
+    if not any(o.status == "failed" for o in by_clause.get("accuracy", ())):
+        return {}
+    moved = {}
+    for name in [c for c in by_clause if c != "accuracy"]:
+        stay = [o for o in by_clause[name] if not (o.status == "failed" and _INACCURATE.search(o.detail))]
+        if len(stay) < len(by_clause[name]):
+            taken = [o for o in by_clause[name] if o not in stay]
+            by_clause["accuracy"] += [replace(o, clause="accuracy") for o in taken]
+            by_clause[name] = stay
+            moved[name] = len(taken)
+    return moved
+
+
 def verdict_rows(outcomes: list[Outcome]) -> dict[str, list[ClauseVerdict]]:
     """Per subject (``impl@backend``, in first-seen order): one row per clause it met, in
-    :func:`clauses` order (a family's routes by name). A clause with no outcome at all is left out (nothing judged it)."""
+    :func:`clauses` order (a family's routes by name). A clause with no outcome at all is left
+    out (nothing judged it); an inaccuracy another clause met while accuracy fails is counted
+    under accuracy (:func:`_counted_under_accuracy`)."""
     grouped: dict[str, dict[str, list[Outcome]]] = {}
     for o in outcomes:
         grouped.setdefault(o.subject, {}).setdefault(o.clause, []).append(o)
     out = {}
     for subject, by_clause in grouped.items():
-        out[subject] = [_fold(subject, clause(c), by_clause[c]) for c in sorted(by_clause, key=_order)]
+        moved = _counted_under_accuracy(by_clause)
+        rows = []
+        for c in sorted(by_clause, key=_order):
+            row = _fold(subject, clause(c), by_clause[c]) if by_clause[c] else \
+                ClauseVerdict(subject, clause(c), NOT_RUN)
+            if c in moved:
+                note = f"{moved[c]} case(s) inaccurate, counted under accuracy"
+                if row.status == NOT_RUN and not row.detail:
+                    row.detail = "every case that ran was inaccurate, counted under accuracy"
+                else:
+                    row.detail = f"{row.detail}; {note}" if row.detail else note
+            rows.append(row)
+        out[subject] = rows
     return out
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 
 import pytest
 import torch
@@ -67,6 +68,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.endswith(SLOW_ROWS) or item.nodeid.split("[")[0].endswith(SLOW_ROWS):
             item.add_marker(pytest.mark.slow)
+    shard = slow_shard(os.environ.get("MAGI_MOE_SLOW_SHARD", ""))
+    if shard is not None:
+        keep, drop = [], []
+        for item in items:
+            in_shard = item.get_closest_marker("slow") is None or \
+                zlib.crc32(item.nodeid.encode()) % shard[1] == shard[0]
+            (keep if in_shard else drop).append(item)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = keep
+
+
+def slow_shard(spec: str) -> tuple[int, int] | None:
+    """``MAGI_MOE_SLOW_SHARD=i/n``: keep only the slow tests whose node id hashes to ``i`` mod
+    ``n`` (CI runs one shard a commit, in turn; ``tox -e slow`` runs them all). Empty: no shard."""
+    if not spec:
+        return None
+    try:
+        i, n = (int(v) for v in spec.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"MAGI_MOE_SLOW_SHARD must be i/n with 0 <= i < n, got {spec!r}")
+    return i, n
 
 
 def pytest_configure(config):

@@ -23,7 +23,9 @@ CONFIG = preset("tiny")
 PACKED = {"fused": ("W_gate", "W_up")}
 
 TestSnapshotCacheSwaps = weight_swap_machine(snapshot_cache_layer, config=CONFIG).TestCase
-TestSnapshotCacheSwaps.settings = settings(profiles.examples(1.0), stateful_step_count=20)
+# The correct toy cache, ten steps a run (the stale one's control, tests/test_fuzz_broken.py,
+# runs twenty): every step rebuilds and checks the layer, 0.1 s each on the CPU.
+TestSnapshotCacheSwaps.settings = settings(profiles.examples(1.0), stateful_step_count=10)
 
 
 @fuzzers.campaign_target

@@ -123,7 +123,9 @@ def test_deterministic_mode_is_bitwise_repeatable(impl_backend):
     cfg = impl_backend.impl.fit(preset("magi2-ep4-local" if big else "small"))
     problem = random_problem(cfg, 4096 if big else 64, seed=2, device=impl_backend.device)
     first = run_poisoned(impl_backend.impl, problem)
-    for _ in range(20 if big else 3):
+    # Races show only on a GPU: the interpreter runs programs one after another, so off the GPU
+    # one rerun checks what can differ there (unwritten, poisoned elements; host-side state).
+    for _ in range(20 if big else 1):
         assert torch.equal(run_poisoned(impl_backend.impl, problem), first)
 
 

@@ -38,6 +38,36 @@ def test_distinct_failure_messages_are_counted():
     assert row.detail == "a (and 2 other messages)"
 
 
+INACCURATE = "PropertyViolation: empty_experts violated by k@cpu: inaccurate: k [bf16-fp32acc]: FAILED on bounds"
+
+
+def test_an_edge_shape_that_is_only_inaccurate_counts_under_a_failing_accuracy():
+    """A SwiGLU without its clamp fails accuracy, and also the empty-experts case's accuracy
+    half: one root cause, one FAIL row."""
+    rows = {r.clause.name: r for r in V.verdict_rows([
+        _o("accuracy", "failed", "AssertionError: k [bf16-fp32acc]: FAILED on bounds", "a1"),
+        _o("accuracy", "passed"),
+        _o("edge-shapes", "failed", INACCURATE, "e1"), _o("edge-shapes", "passed"),
+    ])["k@cpu"]}
+    assert (rows["accuracy"].status, rows["accuracy"].failed) == (V.FAIL, 2)
+    assert rows["accuracy"].failing_cases == ["a1", "e1"]
+    edge = rows["edge-shapes"]
+    assert (edge.status, edge.failed, edge.passed) == (V.PASS, 0, 1)
+    assert "1 case(s) inaccurate, counted under accuracy" in edge.detail
+
+
+@pytest.mark.parametrize("accuracy, edge_detail", [
+    ("passed", INACCURATE),  # accuracy holds elsewhere: the edge shape's inaccuracy is its own
+    ("failed", "k: FAILED on written: 12 elements not written"),  # unwritten: an edge bug
+])
+def test_an_edge_shape_failure_of_its_own_stays_an_edge_failure(accuracy, edge_detail):
+    rows = {r.clause.name: r for r in V.verdict_rows([
+        _o("accuracy", accuracy, "k: FAILED on bounds" if accuracy == "failed" else ""),
+        _o("edge-shapes", "failed", edge_detail),
+    ])["k@cpu"]}
+    assert (rows["edge-shapes"].status, rows["edge-shapes"].failed) == (V.FAIL, 1)
+
+
 @pytest.mark.parametrize("reason, status", [
     ("k does not declare deterministic", V.NOT_DECLARED),
     ("k does not declare input_checks", V.NOT_DECLARED),
