@@ -16,8 +16,8 @@ echo "+ built $(basename "$wheel"): $(grep -c '\.py$' "$work/contents.txt") modu
 grep -qx 'magi_moe/kernels/tiles/fused.json' "$work/contents.txt" || { echo "the wheel lacks the tile tables" >&2; exit 1; }
 if grep -qE '^(audit|fuzz|tests)/' "$work/contents.txt"; then echo "the wheel installs a top-level audit/fuzz/tests" >&2; exit 1; fi
 python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install -q --no-compile torch==2.13.0
-"$work/venv/bin/pip" install -q --no-compile "$wheel[test]"
+"$work/venv/bin/pip" install -q torch==2.13.0
+"$work/venv/bin/pip" install -q "$wheel[test]"
 mkdir "$work/team"
 cp "$repo/tests/outside_impl_example.py" "$work/team/team_kernel.py"
 cd "$work/team"
