@@ -16,8 +16,10 @@ echo "+ built $(basename "$wheel"): $(grep -c '\.py$' "$work/contents.txt") modu
 grep -qx 'magi_moe/kernels/tiles/fused.json' "$work/contents.txt" || { echo "the wheel lacks the tile tables" >&2; exit 1; }
 if grep -qE '^(audit|fuzz|tests)/' "$work/contents.txt"; then echo "the wheel installs a top-level audit/fuzz/tests" >&2; exit 1; fi
 python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install -q torch==2.13.0
-"$work/venv/bin/pip" install -q "$wheel[test]"
+"$work/venv/bin/pip" install -q --no-compile torch==2.13.0
+"$work/venv/bin/pip" install -q --no-compile "$wheel[test]"
+# pip compiles on one core; this on all (a file torch ships in newer syntax fails: harmless)
+"$work/venv/bin/python" -m compileall -q -j0 "$work/venv/lib" > /dev/null || true
 mkdir "$work/team"
 cp "$repo/tests/outside_impl_example.py" "$work/team/team_kernel.py"
 cd "$work/team"
@@ -42,13 +44,11 @@ expect_refusal magi-moe fuzz --budget-seconds nan
 expect_refusal magi-moe fuzz --properties diferential
 echo "+ bad arguments are refused in one line with exit 2"
 
-# The team's module from the current directory, in the audit (plots included) and a campaign.
+# The team's module from the current directory, in the audit (plots included).
 magi-moe audit --impl team_kernel:IMPL --no-kernels --no-mpcheck --no-controls --tokens 16 \
   --probe random --out audit-out > audit.log
 ls audit-out/report.md audit-out/error_ratio_hist.png > /dev/null
-magi-moe fuzz --backend cpu --impl team_kernel:IMPL --properties differential --budget-seconds 60 \
-  --profile ci --workers 0 --out fuzz-team --db fuzz-team-db > fuzz-team.log
-echo "+ audit and fuzz import team_kernel from $work/team"
+echo "+ the audit imports team_kernel from $work/team (the campaign below, team_broken)"
 
 # A campaign against a broken copy of the team's kernel; each reproduction line it prints runs
 # as printed, where the team runs it (the [test] extra has no Triton: the copy is plain torch).

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,14 +83,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     shard = slow_shard(os.environ.get("MAGI_MOE_SLOW_SHARD", ""))
     if shard is not None:
+        owner = shard_owners(shard[1])
         keep, drop = [], []
         for item in items:
-            in_shard = item.get_closest_marker("slow") is None or \
-                zlib.crc32(item.nodeid.encode()) % shard[1] == shard[0]
+            in_shard = item.get_closest_marker("slow") is None or owner(item.nodeid) == shard[0]
             (keep if in_shard else drop).append(item)
         if drop:
             config.hook.pytest_deselected(items=drop)
             items[:] = keep
+
+
+# Seconds each slow test took (--durations, -n 2, the 2-core machine): the shards are balanced
+# on these, longest first onto the least loaded shard; a test not listed goes by its id's hash.
+SLOW_SECONDS = Path(__file__).with_name("slow_tier_seconds.txt")
+
+
+def shard_owners(n: int):
+    """``nodeid -> shard`` for ``n`` shards of the slow tier."""
+    measured = []
+    if SLOW_SECONDS.exists():
+        for line in SLOW_SECONDS.read_text().splitlines():
+            seconds, _, nodeid = line.partition(" ")
+            if nodeid:
+                measured.append((float(seconds), nodeid))
+    load, owners = [0.0] * n, {}
+    for seconds, nodeid in sorted(measured, key=lambda m: (-m[0], m[1])):
+        owners[nodeid] = i = min(range(n), key=lambda k: (load[k], k))
+        load[i] += seconds
+
+    def owner(nodeid: str) -> int:
+        path, sep, rest = nodeid.partition("::")  # listed by file name: checkout or installed
+        key = Path(path).name + sep + rest
+        return owners.get(key, zlib.crc32(key.encode()) % n)
+    return owner
 
 
 def slow_shard(spec: str) -> tuple[int, int] | None:
