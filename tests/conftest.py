@@ -119,8 +119,9 @@ def shard_owners(n: int):
 
 
 def slow_shard(spec: str) -> tuple[int, int] | None:
-    """``MAGI_MOE_SLOW_SHARD=i/n``: keep only the slow tests whose node id hashes to ``i`` mod
-    ``n`` (CI runs one shard a commit, in turn; ``tox -e slow`` runs them all). Empty: no shard."""
+    """``MAGI_MOE_SLOW_SHARD=i/n``: keep only the slow tests of shard ``i`` of ``n``
+    (:func:`shard_owners`; CI runs one shard a commit, in turn; ``tox -e slow`` runs them all).
+    Empty: no shard."""
     if not spec:
         return None
     try:
