@@ -183,9 +183,10 @@ def _counted_under_accuracy(by_clause: dict[str, list[Outcome]]) -> dict[str, in
         return {}
     moved = {}
     for name in [c for c in by_clause if c != "accuracy"]:
-        stay = [o for o in by_clause[name] if not (o.status == "failed" and _INACCURATE.search(o.detail))]
-        if len(stay) < len(by_clause[name]):
-            taken = [o for o in by_clause[name] if o not in stay]
+        stay, taken = [], []
+        for o in by_clause[name]:
+            (taken if o.status == "failed" and _INACCURATE.search(o.detail) else stay).append(o)
+        if taken:
             by_clause["accuracy"] += [replace(o, clause="accuracy") for o in taken]
             by_clause[name] = stay
             moved[name] = len(taken)

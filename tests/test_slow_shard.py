@@ -14,7 +14,6 @@ def test_a_shard_is_parsed_and_a_bad_one_refused():
             slow_shard(bad)
 
 
-
 def test_the_shards_balance_the_measured_seconds():
     """Longest first onto the least loaded shard: no two shards differ by more than the longest
     test, and a checkout's and an installed wheel's node ids land in the same shard."""

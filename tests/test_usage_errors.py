@@ -19,6 +19,7 @@ from magi_moe import cli, plugins, registry
 from magi_moe.implementation import Implementation
 
 SPEC = "magi_moe.tests.outside_impl_example:IMPL"
+FORWARD_SPEC = "magi_moe.tests.outside_impl_example:einsum_forward"
 
 
 def _plugin_installed() -> bool:
@@ -32,7 +33,6 @@ def _plugin_installed() -> bool:
 needs_installed_plugin = pytest.mark.skipif(
     not _plugin_installed(), reason="magi_moe is not installed (pip install -e .): a child pytest "
                                     "outside the checkout loads its plugin from the installed entry point")
-FORWARD_SPEC = "magi_moe.tests.outside_impl_example:einsum_forward"
 
 
 @pytest.fixture(autouse=True)
