@@ -56,6 +56,19 @@ def test_an_edge_shape_that_is_only_inaccurate_counts_under_a_failing_accuracy()
     assert "1 case(s) inaccurate, counted under accuracy" in edge.detail
 
 
+def test_an_edge_clause_whose_every_case_was_inaccurate_is_not_run_not_passed():
+    """Nothing of the edge clause is left to pass once its only case moves to accuracy: the row
+    must not read PASS (nothing judged the edge) and must say where its case went."""
+    rows = {r.clause.name: r for r in V.verdict_rows([
+        _o("accuracy", "failed", "k: FAILED on bounds", "a1"),
+        _o("edge-shapes", "failed", INACCURATE, "e1"),
+    ])["k@cpu"]}
+    assert (rows["accuracy"].status, rows["accuracy"].failed) == (V.FAIL, 2)
+    edge = rows["edge-shapes"]
+    assert (edge.status, edge.passed, edge.failed) == (V.NOT_RUN, 0, 0)
+    assert edge.detail == "every case that ran was inaccurate, counted under accuracy"
+
+
 @pytest.mark.parametrize("accuracy, edge_detail", [
     ("passed", INACCURATE),  # accuracy holds elsewhere: the edge shape's inaccuracy is its own
     ("failed", "k: FAILED on written: 12 elements not written"),  # unwritten: an edge bug
