@@ -700,6 +700,10 @@ def rerun_main(argv: list[str]) -> int:
                    help="cpu, interpret or cuda, as in the campaign")
     p.add_argument("--impl", action="append", default=[],
                    help="implementation under test, as in the campaign; repeatable")
+    p.add_argument("--profile", default="nightly", choices=PROFILES,
+                   help="settings, as in the campaign (default nightly)")
+    p.add_argument("--no-shrink", action="store_true",
+                   help="report the first failing example unshrunk, as a --no-shrink campaign did")
     p.add_argument("--out", default=None, help="where to write (default: a temporary directory)")
     args = p.parse_args(argv)
     nodeid = resolve_nodeid(args.nodeid)
@@ -713,6 +717,7 @@ def rerun_main(argv: list[str]) -> int:
     import tempfile
     out = Path(args.out or tempfile.mkdtemp(prefix="fuzz-rerun-"))
     ns = _parser().parse_args(["--backend", args.backend, "--db", args.db, "--workers", "0",
+                               "--profile", args.profile, *(["--no-shrink"] if args.no_shrink else []),
                                *[a for impl in args.impl for a in ("--impl", impl)]])
     if not fuzz_db.is_url(ns.db):
         ns.db = str(Path(ns.db).resolve())

@@ -391,4 +391,9 @@ def rerun_command(config, nodeid: str) -> str:
              "--backend", shlex.quote(backends[0])]
     for impl in config.getoption("--impl") or []:
         parts += ["--impl", shlex.quote(impl)]
+    profile = config.getoption("--fuzz-profile")
+    if profile and profile != "nightly":  # the rerun's default
+        parts += ["--profile", shlex.quote(profile)]
+    if config.getoption("--fuzz-no-shrink"):
+        parts.append("--no-shrink")
     return " ".join(parts)

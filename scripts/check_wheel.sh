@@ -75,7 +75,8 @@ repro=$(failure repro)
 nodeid=$(failure nodeid)
 rc=0; eval "$repro" > replay.log 2>&1 || rc=$?
 [ "$rc" -eq 1 ] && grep -q '^FAIL:' replay.log || { echo "the printed replay line exited $rc" >&2; cat replay.log >&2; exit 1; }
-rc=0; python -m magi_moe.fuzz rerun "$nodeid" --db fuzz-db --backend cpu --impl team_broken:BROKEN > rerun.log 2>&1 || rc=$?
+rc=0; python -m magi_moe.fuzz rerun "$nodeid" --db fuzz-db --backend cpu --impl team_broken:BROKEN \
+  --profile ci --no-shrink > rerun.log 2>&1 || rc=$?
 [ "$rc" -eq 1 ] && grep -q "^FAILED .*test_property\[differential-team-broken@cpu\]" rerun.log || {
   echo "rerun of $nodeid exited $rc" >&2; tail -20 rerun.log >&2; exit 1; }
 echo "+ the printed replay line and a rerun of $nodeid run from the installed wheel"

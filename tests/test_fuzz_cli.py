@@ -36,3 +36,37 @@ def test_list_shows_every_property_record(capsys):
         assert prop.on.name in listed[name] and prop.summary in listed[name]
         for need in prop.needs:
             assert need in listed[name]
+
+
+class _Options:
+    """A pytest config as rerun_command reads it: only getoption."""
+
+    def __init__(self, **options):
+        self.options = {"--backend": ["cpu"], "--fuzz-db": "db", "--impl": [], **options}
+
+    def getoption(self, name):
+        return self.options.get(name)
+
+
+@pytest.mark.parametrize("profile, no_shrink, expected", [
+    ("nightly", False, []),
+    ("ci", False, ["--profile", "ci"]),
+    ("ci", True, ["--profile", "ci", "--no-shrink"]),
+    ("dev", True, ["--profile", "dev", "--no-shrink"]),
+])
+def test_printed_rerun_line_repeats_the_campaigns_settings(profile, no_shrink, expected, capsys):
+    """A ci or unshrunk campaign's rerun line asks for the same settings (a ci round is
+    derandomised: the rerun draws the very examples that failed, and fast)."""
+    from magi_moe.fuzz.campaign_plugin import rerun_command
+
+    line = rerun_command(_Options(**{"--fuzz-profile": profile, "--fuzz-no-shrink": no_shrink,
+                                     "--impl": ["team:IMPL"]}), "tests/test_fuzz_properties.py::t")
+    words = line.split()
+    assert words[words.index("--impl"):] == ["--impl", "team:IMPL", *expected], line
+    # every word parses: the rerun then refuses only the made-up node id, after parsing
+    from magi_moe.fuzz.campaign import rerun_main
+
+    args = words[words.index("rerun") + 1:]
+    args[0] = "nope.py::x"
+    assert rerun_main(args) == 2
+    assert "NODEID must name a test of the fuzz suite" in capsys.readouterr().err
