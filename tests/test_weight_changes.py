@@ -31,6 +31,30 @@ def _judged_elsewhere(impl, backend: str) -> str | None:
     return "the generic MagiMoE layer is judged at reference@cpu"
 
 
+def route_failures(impl, device, route: str) -> tuple[str | None, list[str]]:
+    """``(why it was not judged, failures)`` for ``impl``'s layer under one weight-change route.
+
+    A layer already wrong with its first weights leaves nothing for the route to judge: with its
+    own router that is the routing clause's finding (skipped here); else it is the accuracy
+    judge's (its worst-case bound), reported as such so that the verdict counts it under
+    accuracy when accuracy fails: one root cause, one FAIL row, not one per route."""
+    report = audit_weight_cache(impl, config=impl.fit(preset("tiny")), device=device,
+                                routes=(route,), seed=5)
+    judged = [r for r in report.results if r.status not in (SKIPPED, NOT_APPLICABLE)]
+    wrong_first = [r for r in judged if r.detail.startswith("wrong before any change")]
+    if wrong_first and impl.router is not None:
+        return (f"{impl.name}'s layer is wrong before any weight change, with its own router "
+                f"(see the routing clause): {wrong_first[0].detail}"), []
+    if wrong_first:
+        first = wrong_first[0]
+        return None, [f"{impl.name}'s layer FAILED on bounds before any weight change, so "
+                      f"{route} was not judged ({first.route}/{first.parameter}: {first.detail})"]
+    if not judged:
+        return "; ".join(sorted({r.detail for r in report.results})) or "no result", []
+    return None, [f"{r.route}/{r.parameter}: {r.status} (promised {r.promised}): {r.detail}"
+                  for r in report.results if not r.ok]
+
+
 @pytest.mark.parametrize("route", ROUTE_ROWS)
 def test_layer_follows_the_weight_change(impl_backend, route, request):
     impl = impl_backend.impl
@@ -38,18 +62,32 @@ def test_layer_follows_the_weight_change(impl_backend, route, request):
         impl, impl_backend.backend.name)
     if elsewhere:
         pytest.skip(f"{elsewhere} (name it with --impl to judge it here)")
-    config = impl.fit(preset("tiny"))
-    report = audit_weight_cache(impl, config=config, device=impl_backend.device, routes=(route,),
-                                seed=5)
-    judged = [r for r in report.results if r.status not in (SKIPPED, NOT_APPLICABLE)]
-    wrong_first = [r for r in judged if r.detail.startswith("wrong before any change")]
-    if wrong_first and impl.router is not None:
-        # the layer routes with the implementation's own router, which the routing clause
-        # judges: one root cause, one FAIL row there, not one per weight-change route
-        pytest.skip(f"{impl.name}'s layer is wrong before any weight change, with its own router "
-                    f"(see the routing clause): {wrong_first[0].detail}")
-    if not judged:
-        pytest.skip("; ".join(sorted({r.detail for r in report.results})) or "no result")
-    bad = [f"{r.route}/{r.parameter}: {r.status} (promised {r.promised}): {r.detail}"
-           for r in report.results if not r.ok]
+    why_not, bad = route_failures(impl, impl_backend.device, route)
+    if why_not:
+        pytest.skip(why_not)
     assert not bad, "; ".join(bad)
+
+
+def test_a_layer_wrong_from_the_start_is_an_accuracy_failure():
+    """A kernel that is simply wrong fails every route before any change: that is the accuracy
+    judge's finding, worded so that the verdict moves it under accuracy (magi_moe.verdict)."""
+    import dataclasses
+
+    from magi_moe import verdict as V
+    from magi_moe.impls import TORCH_BF16
+
+    def off_by_one(x, table, weights, config, *, out):
+        TORCH_BF16.forward(x, table, weights, config, out=out)
+        return out.add_(1)
+
+    wrong = dataclasses.replace(TORCH_BF16, name="wrong-from-the-start", forward=off_by_one)
+    why_not, bad = route_failures(wrong, "cpu", "in_place")
+    assert why_not is None and len(bad) == 1, (why_not, bad)
+    assert V._INACCURATE.search(bad[0]), bad[0]
+    outcomes = [V.Outcome("wrong@cpu", "accuracy", "failed", "t1", "FAILED on bounds", "r1"),
+                V.Outcome("wrong@cpu", "weight-change/in_place", "failed", "t2", bad[0], "r2")]
+    rows = {r.clause.name: r for r in V.verdict_rows(outcomes)["wrong@cpu"]}
+    assert rows["accuracy"].failed == 2 and rows["weight-change/in_place"].status == V.NOT_RUN
+    # a right layer with a stale cache is the route's own failure, not accuracy's
+    right_why, right_bad = route_failures(TORCH_BF16, "cpu", "in_place")
+    assert right_why is None and right_bad == []
