@@ -716,8 +716,9 @@ def rerun_main(argv: list[str]) -> int:
             return refuse(p.prog, why)
     import tempfile
     out = Path(args.out or tempfile.mkdtemp(prefix="fuzz-rerun-"))
+    shrink = ["--no-shrink"] if args.no_shrink else []
     ns = _parser().parse_args(["--backend", args.backend, "--db", args.db, "--workers", "0",
-                               "--profile", args.profile, *(["--no-shrink"] if args.no_shrink else []),
+                               "--profile", args.profile, *shrink,
                                *[a for impl in args.impl for a in ("--impl", impl)]])
     if not fuzz_db.is_url(ns.db):
         ns.db = str(Path(ns.db).resolve())

@@ -67,7 +67,8 @@ def main():
             ms = summarize(time_paths({name: fn}, warmup=10, iters=60, flush_mib=512,
                                       device=device)[name])["median_ms"]
             results.append((ms, name, kern.n_regs, kern.n_spills, kern.metadata.shared, same))
-        for ms, name, regs, spills, smem, same in sorted(results)[:12] + [r for r in results if r[1] == "bs32 w8 stagesNone maxnregNone"]:
+        committed = [r for r in results if r[1] == "bs32 w8 stagesNone maxnregNone"]
+        for ms, name, regs, spills, smem, same in sorted(results)[:12] + committed:
             print(f"H={H} S={S} {name}: {ms*1000:.1f} us regs {regs} spills {spills} "
                   f"smem {smem} bits {'same' if same else 'DIFFER'}")
 
