@@ -173,21 +173,32 @@ def _fold(subject: str, clause_: Clause, outcomes: list[Outcome]) -> ClauseVerdi
 # The accuracy judge's own failures (audit.judge: the bounds, the baseline ratio, faithfulness to
 # the precision model), wherever a test quotes them; "written" (unwritten elements) is not one.
 _INACCURATE = re.compile(r"FAILED on (bounds|baseline|faithfulness)\b")
+# A layer already wrong with its first weights (tests/test_weight_changes.py, test_graphs.py):
+# no route was judged, and the layer's output is inaccurate whatever the kernel's row says.
+_WRONG_FROM_THE_START = re.compile(r"layer FAILED on bounds before any weight change")
 
 
 def _counted_under_accuracy(by_clause: dict[str, list[Outcome]]) -> dict[str, int]:
     """One root cause, one FAIL row: where the accuracy clause fails, another clause's cases that
     failed only on the accuracy judge (an edge shape computed inaccurately, say) move to the
-    accuracy row. Where accuracy passes they stay: then the inaccuracy is the edge's own."""
-    if not any(o.status == "failed" for o in by_clause.get("accuracy", ())):
-        return {}
+    accuracy row. Where accuracy passes they stay: then the inaccuracy is the edge's own. A
+    layer wrong before any weight change moves always: every weight-change and graph route
+    meets the same wrong layer, and none of them was judged."""
+    accuracy_failed = any(o.status == "failed" for o in by_clause.get("accuracy", ()))
+
+    def inaccurate(o: Outcome) -> bool:
+        return o.status == "failed" and bool(
+            _WRONG_FROM_THE_START.search(o.detail)
+            or (accuracy_failed and _INACCURATE.search(o.detail)))
+
     moved = {}
     for name in [c for c in by_clause if c != "accuracy"]:
         stay, taken = [], []
         for o in by_clause[name]:
-            (taken if o.status == "failed" and _INACCURATE.search(o.detail) else stay).append(o)
+            (taken if inaccurate(o) else stay).append(o)
         if taken:
-            by_clause["accuracy"] += [replace(o, clause="accuracy") for o in taken]
+            moved_here = [replace(o, clause="accuracy") for o in taken]
+            by_clause.setdefault("accuracy", []).extend(moved_here)
             by_clause[name] = stay
             moved[name] = len(taken)
     return moved
@@ -196,8 +207,8 @@ def _counted_under_accuracy(by_clause: dict[str, list[Outcome]]) -> dict[str, in
 def verdict_rows(outcomes: list[Outcome]) -> dict[str, list[ClauseVerdict]]:
     """Per subject (``impl@backend``, in first-seen order): one row per clause it met, in
     :func:`clauses` order (a family's routes by name). A clause with no outcome at all is left
-    out (nothing judged it); an inaccuracy another clause met while accuracy fails is counted
-    under accuracy (:func:`_counted_under_accuracy`)."""
+    out (nothing judged it); an inaccuracy another clause met while accuracy fails, and a layer
+    wrong before any weight change, are counted under accuracy (:func:`_counted_under_accuracy`)."""
     grouped: dict[str, dict[str, list[Outcome]]] = {}
     for o in outcomes:
         grouped.setdefault(o.subject, {}).setdefault(o.clause, []).append(o)

@@ -126,6 +126,26 @@ def test_markdown_and_json_carry_every_row():
     assert [c["clause"] for c in data["subjects"][0]["clauses"]] == ["accuracy", "determinism"]
 
 
+def test_a_layer_wrong_from_the_start_is_one_accuracy_row_even_where_accuracy_passed():
+    wrong = ("AssertionError: team's layer FAILED on bounds before any weight change, so "
+             "{} was not judged")
+    rows = {r.clause.name: r for r in V.verdict_rows(
+        [_o("weight-change/in_place", "failed", wrong.format("in_place"), "t1", "rerun 1"),
+         _o("weight-change/to_dtype", "failed", wrong.format("to_dtype"), "t2", "rerun 2"),
+         _o("cuda-graph/in_place", "failed", wrong.format("in_place"), "t3", "rerun 3")])["k@cpu"]}
+    # no accuracy outcome at all (a run of the weight-change tests alone): the row is made
+    accuracy = rows["accuracy"]
+    assert (accuracy.status, accuracy.failed, accuracy.repro) == (V.FAIL, 3, "rerun 1")
+    for route in ("weight-change/in_place", "weight-change/to_dtype", "cuda-graph/in_place"):
+        assert rows[route].status == V.NOT_RUN, rows[route]
+        assert rows[route].detail == "every case that ran was inaccurate, counted under accuracy"
+    # a stale route beside a passing accuracy row stays its own failure
+    rows = {r.clause.name: r for r in V.verdict_rows(
+        [_o("accuracy", "passed"),
+         _o("weight-change/in_place", "failed", "in_place/W_up: stale")])["k@cpu"]}
+    assert rows["accuracy"].status == V.PASS and rows["weight-change/in_place"].status == V.FAIL
+
+
 # -- end to end ----------------------------------------------------------------------------------
 def _conformance(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict, str]:
     env = dict(os.environ, TRITON_INTERPRET="1", OPENBLAS_NUM_THREADS="1")

@@ -37,7 +37,7 @@ def route_failures(impl, device, route: str) -> tuple[str | None, list[str]]:
     A layer already wrong with its first weights leaves nothing for the route to judge: with its
     own router that is the routing clause's finding (skipped here); else it is the accuracy
     judge's (its worst-case bound), reported as such so that the verdict counts it under
-    accuracy when accuracy fails: one root cause, one FAIL row, not one per route."""
+    accuracy: one root cause, one FAIL row, not one per route."""
     report = audit_weight_cache(impl, config=impl.fit(preset("tiny")), device=device,
                                 routes=(route,), seed=5)
     judged = [r for r in report.results if r.status not in (SKIPPED, NOT_APPLICABLE)]
@@ -88,6 +88,12 @@ def test_a_layer_wrong_from_the_start_is_an_accuracy_failure():
                 V.Outcome("wrong@cpu", "weight-change/in_place", "failed", "t2", bad[0], "r2")]
     rows = {r.clause.name: r for r in V.verdict_rows(outcomes)["wrong@cpu"]}
     assert rows["accuracy"].failed == 2 and rows["weight-change/in_place"].status == V.NOT_RUN
+    # a right kernel in a wrong layer: the layer's inaccuracy, still one row, under accuracy
+    outcomes[0] = V.Outcome("wrong@cpu", "accuracy", "passed", "t1")
+    rows = {r.clause.name: r for r in V.verdict_rows(outcomes)["wrong@cpu"]}
+    accuracy = rows["accuracy"]
+    assert (accuracy.status, accuracy.failed, accuracy.passed) == (V.FAIL, 1, 1)
+    assert rows["weight-change/in_place"].status == V.NOT_RUN
     # a right layer with a stale cache is the route's own failure, not accuracy's
     right_why, right_bad = route_failures(TORCH_BF16, "cpu", "in_place")
     assert right_why is None and right_bad == []
