@@ -50,6 +50,8 @@ _FIXED = (
     Clause("inputs-unchanged", "the call leaves x, the route table and the weights as they were",
            "CONTRACT 2"),
     Clause("layer-inputs", "the layer refuses bad input and keeps its state", "CONTRACT 3, INPUTS"),
+    Clause("checkpoint", "the layer built from a released checkpoint computes that checkpoint's "
+           "output and reports its tensors under their released names", "CONTRACT 3"),
     Clause("weight-change", "the layer follows every way weights change (one row per route: "
            "weight-change/<route>)", "CONTRACT 5"),
     Clause("weight-swaps", "random sequences of weight changes never serve stale weights",

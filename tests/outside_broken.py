@@ -13,6 +13,10 @@
   dtype, device and values with the copy it packed (slow, always fresh).
 * :data:`UNCACHED_LAYER` (correct): no cache and no cache protocol; it reads its parameters on
   every call.
+* :data:`SWAPPED_CHECKPOINT_LAYER` (BROKEN on purpose): the uncached layer, loading the
+  checkpoint's ``W_gate`` into its ``W_up`` and ``W_up`` into its ``W_gate``. It is right on
+  what it holds, so every weight-change route passes it; only the checkpoint row
+  (``tests/test_layer_checkpoint.py``) compares it with what it was given.
 
 Outside *routers*, each declared as ``Implementation(..., router=...)`` with this module's
 expert sum, BROKEN on purpose (each passes every expert-level check: the routes are an input
@@ -41,7 +45,8 @@ from magi_moe.routing import (RouteTable, Routes, build_route_table, route, rout
                               scores_from_logits, select_experts)
 
 __all__ = ["CONTENT_CHECKED_LAYER", "ROUTER_BIAS_IN_WEIGHTS", "ROUTER_FORGETS_L1",
-           "ROUTER_TIES_TO_HIGHER_INDEX", "UNCACHED_LAYER", "VERSION_KEYED_LAYER", "OutsideMoE"]
+           "ROUTER_TIES_TO_HIGHER_INDEX", "SWAPPED_CHECKPOINT_LAYER", "UNCACHED_LAYER",
+           "VERSION_KEYED_LAYER", "OutsideMoE"]
 
 EXPERTS = ("W_gate", "W_up", "W_down")
 KEYS = ("gate", "W_gate", "W_up", "W_down", "router.expert_bias", "router.expert_bias_ema")
@@ -193,6 +198,18 @@ CONTENT_CHECKED_LAYER = _declare(
     "an outside layer whose packed copy is checked against the weights' contents")
 UNCACHED_LAYER = _declare(
     "outside-uncached", None, "an outside layer without a cache")
+
+
+def _swapped_checkpoint(config: MoEConfig, state_dict: Mapping[str, torch.Tensor],
+                        device=None) -> nn.Module:
+    swapped = {**state_dict, "W_gate": state_dict["W_up"], "W_up": state_dict["W_gate"]}
+    return OutsideMoE(config, swapped, cache=None)
+
+
+SWAPPED_CHECKPOINT_LAYER = Implementation(
+    "outside-swapped-checkpoint", _forward, ("cpu",), "bf16-plain",
+    layer_factory=_swapped_checkpoint,
+    description="BROKEN on purpose: an outside layer loading W_gate and W_up the wrong way round")
 
 
 # -- the routers -----------------------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""Every implementation's own layer (``impl.layer``), built from a released-layout checkpoint
+(CONTRACT section 3), computes *that* checkpoint's layer: its output is held to the float64
+reference of the tensors it was given, not of the tensors it holds. A layer that loads a name
+into the wrong place (gate and up swapped, a transposed down projection) is consistent with its
+own ``state_dict()``, so the weight-change rows, which judge a layer by what it holds, pass it;
+this row does not. Tensors the layer reports under a released name must be the ones given."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from magi_moe.audit.cache import draw_state, output_ok
+from magi_moe.config import preset
+
+pytestmark = pytest.mark.clause("checkpoint")
+
+
+def checkpoint_failures(impl, device) -> tuple[str | None, list[str]]:
+    """``(why it was not judged, failures)`` for ``impl``'s layer built from a drawn checkpoint."""
+    config = impl.fit(preset("tiny"))
+    given = draw_state(config, seed=11, device=device)
+    layer = impl.layer(config, {k: v.clone() for k, v in given.items()}, device=device)
+    held = layer.state_dict()
+    renamed = [f"state_dict()[{name!r}] is not the checkpoint's {name}" for name in given
+               if name in held and not torch.equal(held[name].detach().to(given[name].dtype),
+                                                   given[name])]
+    x = torch.randn(24, config.hidden_size, generator=torch.Generator().manual_seed(12)).to(
+        dtype=config.dtype, device=device)
+    with torch.no_grad():
+        y = layer(x)
+    ok, how = output_ok(config, given, x, y)
+    if ok:
+        return None, renamed
+    if all(name in held for name in given) and not output_ok(config, held, x, y)[0]:
+        # wrong on what it holds too: not a loading fault but the layer's accuracy (or, with its
+        # own router, its routing), which the weight-change rows report once, under accuracy
+        if impl.router is not None:
+            return (f"{impl.name}'s layer is wrong on its own weights, with its own router "
+                    f"(see the routing clause): {how}"), []
+        return None, [f"{impl.name}'s layer FAILED on bounds before any weight change, on the "
+                      f"weights it holds too ({how})"]
+    return None, [f"{impl.name}'s layer computes another checkpoint than it was given: {how} "
+                  f"against the given tensors", *renamed]
+
+
+def test_layer_computes_the_checkpoint_it_was_given(impl_backend):
+    why_not, bad = checkpoint_failures(impl_backend.impl, impl_backend.device)
+    if why_not:
+        pytest.skip(why_not)
+    assert not bad, "; ".join(bad)
+
+
+def test_a_layer_loading_gate_and_up_swapped_fails_here_and_nowhere_else():
+    """The planted bug this row exists for: consistent with what it holds, so the weight-change
+    rows pass it (the audit's cache section too); compared with what it was given, it fails."""
+    from magi_moe.tests.outside_broken import SWAPPED_CHECKPOINT_LAYER as SWAPPED
+    from magi_moe.tests.outside_broken import UNCACHED_LAYER
+    from magi_moe.tests.test_weight_changes import route_failures
+
+    why_not, bad = checkpoint_failures(SWAPPED, "cpu")
+    assert why_not is None and bad, (why_not, bad)
+    assert "computes another checkpoint than it was given" in bad[0]
+    assert any("state_dict()['W_up'] is not the checkpoint's W_up" in b for b in bad), bad
+    assert route_failures(SWAPPED, "cpu", "in_place") == (None, [])
+    assert checkpoint_failures(UNCACHED_LAYER, "cpu") == (None, [])  # the same layer, loaded right
