@@ -18,7 +18,7 @@ from magi_moe.verdict import Outcome
 
 SUITE = "magi-moe"
 SECTION_CLAUSES = {"bounds": "accuracy", "determinism": "determinism", "discipline": "discipline",
-                   "compile": "compile", "routing": "routing"}
+                   "compile": "compile", "routing": "routing", "checkpoint": "checkpoint"}
 FAMILY_SECTIONS = {"cache": "weight-change", "graphs": "cuda-graph"}
 SUITE_SECTIONS = ("selfcheck", "mpcheck", "controls")
 _STATUS = {"pass": "passed", "FAIL": "failed", "skip": "skipped", "info": "skipped"}

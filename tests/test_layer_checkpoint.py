@@ -7,9 +7,8 @@ this row does not. Tensors the layer reports under a released name must be the o
 from __future__ import annotations
 
 import pytest
-import torch
 
-from magi_moe.audit.cache import draw_state, output_ok
+from magi_moe.audit.checkpoint import WRONG_CHECKPOINT, WRONG_LAYER, check_layer_checkpoint
 from magi_moe.config import preset
 
 pytestmark = pytest.mark.clause("checkpoint")
@@ -17,30 +16,19 @@ pytestmark = pytest.mark.clause("checkpoint")
 
 def checkpoint_failures(impl, device) -> tuple[str | None, list[str]]:
     """``(why it was not judged, failures)`` for ``impl``'s layer built from a drawn checkpoint."""
-    config = impl.fit(preset("tiny"))
-    given = draw_state(config, seed=11, device=device)
-    layer = impl.layer(config, {k: v.clone() for k, v in given.items()}, device=device)
-    held = layer.state_dict()
-    renamed = [f"state_dict()[{name!r}] is not the checkpoint's {name}" for name in given
-               if name in held and not torch.equal(held[name].detach().to(given[name].dtype),
-                                                   given[name])]
-    x = torch.randn(24, config.hidden_size, generator=torch.Generator().manual_seed(12)).to(
-        dtype=config.dtype, device=device)
-    with torch.no_grad():
-        y = layer(x)
-    ok, how = output_ok(config, given, x, y)
-    if ok:
-        return None, renamed
-    if all(name in held for name in given) and not output_ok(config, held, x, y)[0]:
+    found = check_layer_checkpoint(impl, impl.fit(preset("tiny")), device)
+    if found.status == WRONG_LAYER:
         # wrong on what it holds too: not a loading fault but the layer's accuracy (or, with its
         # own router, its routing), which the weight-change rows report once, under accuracy
         if impl.router is not None:
             return (f"{impl.name}'s layer is wrong on its own weights, with its own router "
-                    f"(see the routing clause): {how}"), []
-        return None, [f"{impl.name}'s layer FAILED on bounds before any weight change, on the "
-                      f"weights it holds too ({how})"]
-    return None, [f"{impl.name}'s layer computes another checkpoint than it was given: {how} "
-                  f"against the given tensors", *renamed]
+                    f"(see the routing clause): {found.detail}"), []
+        return None, [f"{impl.name}'s layer FAILED on bounds before any weight change, "
+                      f"{found.detail}"]
+    if found.status == WRONG_CHECKPOINT:
+        return None, [f"{impl.name}'s layer computes another checkpoint than it was given: "
+                      f"{found.detail}", *found.renamed]
+    return None, list(found.renamed)
 
 
 def test_layer_computes_the_checkpoint_it_was_given(impl_backend):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from ..rows import Row
-from . import accuracy, coverage, cuda, determinism, routing, selfchecks, weight_cache
+from . import accuracy, checkpoint, coverage, cuda, determinism, routing, selfchecks, weight_cache
 
 if TYPE_CHECKING:
     from ..report import Audit
@@ -37,6 +37,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("routing", routing.run),
     Section("controls", selfchecks.controls, option="controls"),
     Section("determinism", determinism.run),
+    Section("checkpoint", checkpoint.run),
     Section("cache", weight_cache.run),
     Section("discipline", cuda.discipline, cuda_only="host sync / allocations / compile"),
     Section("graphs", cuda.graphs, cuda_only="CUDA-graph replay"),

@@ -1,0 +1,36 @@
+"""The ``checkpoint`` section: each selected implementation's own layer computes the checkpoint
+it was given (:mod:`audit.checkpoint`), one row per implementation."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from magi_moe.config import preset
+
+from ..checkpoint import WRONG_LAYER, check_layer_checkpoint
+from ..rows import FAIL, INFO, PASS, SKIP, Row
+
+if TYPE_CHECKING:
+    from ..report import Audit
+
+SECTION = "checkpoint"
+
+
+def run(audit: Audit) -> Iterator[Row]:
+    sizes = ("small", "tiny") if audit.device.type == "cuda" else ("tiny", "small")
+    for impl in audit.selected_impls():
+        config = next((preset(n) for n in sizes if impl.supports(preset(n)) is None), None)
+        why = audit.runnable_here(impl) or (None if config else impl.supports(preset(sizes[0])))
+        if why:
+            yield Row(SECTION, impl.name, SKIP, why)
+            continue
+        try:
+            found = check_layer_checkpoint(impl, config, audit.device, seed=audit.options.seed + 11)
+        except Exception as exc:  # noqa: BLE001 -- reported, the audit goes on
+            yield Row(SECTION, impl.name, FAIL, f"impl.layer(...) raised {type(exc).__name__}: {exc}")
+            continue
+        if found.status == WRONG_LAYER:
+            # the layer's accuracy (bounds, routing), judged in those sections: a note here
+            yield Row(SECTION, impl.name, INFO, f"not judged: the layer is {found.detail}")
+            continue
+        yield Row(SECTION, impl.name, PASS if found.ok else FAIL,
+                  "; ".join([f"{found.status}: {found.detail}", *found.renamed]))
