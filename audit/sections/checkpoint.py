@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from magi_moe.config import preset
-
 from ..checkpoint import WRONG_LAYER, check_layer_checkpoint
 from ..rows import FAIL, INFO, PASS, SKIP, Row
+from .layer_shapes import layer_config
 
 if TYPE_CHECKING:
     from ..report import Audit
@@ -16,10 +15,8 @@ SECTION = "checkpoint"
 
 
 def run(audit: Audit) -> Iterator[Row]:
-    sizes = ("small", "tiny") if audit.device.type == "cuda" else ("tiny", "small")
     for impl in audit.selected_impls():
-        config = next((preset(n) for n in sizes if impl.supports(preset(n)) is None), None)
-        why = audit.runnable_here(impl) or (None if config else impl.supports(preset(sizes[0])))
+        config, why = layer_config(audit, impl)
         if why:
             yield Row(SECTION, impl.name, SKIP, why)
             continue

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from magi_moe.config import preset
-
 from ..cache import SKIPPED, audit_weight_cache, cache_protocol, draw_state
 from ..rows import FAIL, INFO, PASS, SKIP, Row
+from .layer_shapes import layer_config
 from .streaming import rows_as_found
 
 if TYPE_CHECKING:
@@ -19,14 +18,10 @@ SECTION = "cache"
 
 def run(audit: Audit) -> Iterator[Row]:
     o = audit.options
-    # Cache behaviour does not depend on the shape; fresh production layers would cost
-    # seconds each to draw, and interpreted kernels pay per operation.
-    sizes = ("small", "tiny") if audit.device.type == "cuda" else ("tiny", "small")
     audited = 0
     for impl in audit.selected_impls():
         declared = "weight_cache" in impl.capabilities
-        config = next((preset(n) for n in sizes if impl.supports(preset(n)) is None), None)
-        why = audit.runnable_here(impl) or (None if config else impl.supports(preset(sizes[0])))
+        config, why = layer_config(audit, impl)
         if why:
             if declared:
                 yield Row(SECTION, impl.name, SKIP, why)
