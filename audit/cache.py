@@ -54,6 +54,8 @@ RELEASED_NAMES = ("gate",) + EXPERT_PARAMS + ROUTER_BIASES
 DETECTED, NEEDS_INVALIDATE, STALE, UNSUPPORTED, NOT_APPLICABLE, SKIPPED = (
     "detected", "needs invalidate()", "stale", "unsupported", "not applicable", "skip")
 NOT_MEASURED = "not measured"
+# How a result begins when the layer was wrong before the route changed anything (graphs too)
+WRONG_BEFORE_ANY_CHANGE = "wrong before any change"
 FRESHNESS_MODEL = "bf16-plain"
 
 LayerFactory = Callable[[MoEConfig, Mapping[str, torch.Tensor], object], nn.Module]
@@ -363,7 +365,7 @@ def _audit_one(make_layer: LayerFactory, change: WeightChange, parameter: str, *
             without = _measured(protocol.packs(), before)
             fresh, how = output_ok(config, layer.state_dict(), x, y)
             if not fresh:
-                return result(UNSUPPORTED, f"wrong before any change ({how})", None, without)
+                return result(UNSUPPORTED, f"{WRONG_BEFORE_ANY_CHANGE} ({how})", None, without)
             if change.per_parameter:
                 change.apply(target, new_state[parameter])
             else:

@@ -26,7 +26,7 @@ import torch
 from magi_moe.config import MoEConfig
 from magi_moe.cuda_graphs import capture as capture_call
 
-from .cache import draw_state, layer_output_ok
+from .cache import WRONG_BEFORE_ANY_CHANGE, draw_state, layer_output_ok
 
 GRAPH_SAFE, STALE, REFUSED, RECAPTURE = "graph-safe", "stale", "refused", "recapture"
 LayerFactory = Callable[[MoEConfig, Mapping[str, torch.Tensor], object], torch.nn.Module]
@@ -166,7 +166,7 @@ def _audit_route(make_layer: LayerFactory, config: MoEConfig, graph_route: Graph
         ok, how = fresh(config, layer, x, replay())
         if not ok:
             return GraphResult(route_name, parameter, STALE, GRAPH_SAFE,
-                               f"wrong before any change ({how})")
+                               f"{WRONG_BEFORE_ANY_CHANGE} ({how})")
     except Exception as exc:  # noqa: BLE001 -- a layer that cannot be captured is a finding
         return result(REFUSED, f"capture failed: {type(exc).__name__}: {str(exc)[:300]}")
     try:

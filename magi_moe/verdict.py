@@ -175,9 +175,11 @@ def _fold(subject: str, clause_: Clause, outcomes: list[Outcome]) -> ClauseVerdi
 # The accuracy judge's own failures (audit.judge: the bounds, the baseline ratio, faithfulness to
 # the precision model), wherever a test quotes them; "written" (unwritten elements) is not one.
 _INACCURATE = re.compile(r"FAILED on (bounds|baseline|faithfulness)\b")
-# A layer already wrong with its first weights (tests/test_weight_changes.py, test_graphs.py):
-# no route was judged, and the layer's output is inaccurate whatever the kernel's row says.
-_WRONG_FROM_THE_START = re.compile(r"layer FAILED on bounds before any weight change")
+# A layer already wrong with its first weights (the weight-change, graph and checkpoint tests say
+# so in these words): no route was judged, and the layer's output is inaccurate whatever the
+# kernel's row says.
+LAYER_WRONG_FROM_THE_START = "layer FAILED on bounds before any weight change"
+_WRONG_FROM_THE_START = re.compile(re.escape(LAYER_WRONG_FROM_THE_START))
 
 
 def _counted_under_accuracy(by_clause: dict[str, list[Outcome]]) -> dict[str, int]:

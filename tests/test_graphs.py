@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from magi_moe.audit.cache import WRONG_BEFORE_ANY_CHANGE
 from magi_moe.audit.graphs import GRAPH_ROUTES, GRAPH_SAFE, STALE, audit_graph_replay
 from magi_moe.config import preset
 from magi_moe.impls import FUSED
+from magi_moe.tests.layer_wrong_first import layer_wrong_from_the_start
 
 pytestmark = pytest.mark.cuda
 
@@ -31,14 +33,13 @@ def test_layer_keeps_its_graph_promises(impl_backend, route):
     captured = [r for r in results if not r.detail.startswith("capture failed")]
     if not captured:
         pytest.skip(f"{impl.name}.layer() cannot be captured: {results[0].detail}")
-    wrong_first = [r for r in captured if r.detail.startswith("wrong before any change")]
-    if wrong_first and impl.router is not None:
-        pytest.skip(f"{impl.name}'s layer is wrong before any weight change, with its own router "
-                    f"(see the routing clause): {wrong_first[0].detail}")
-    # wrong with its first weights: the accuracy judge's finding (counted under accuracy when
-    # accuracy fails, tests/test_weight_changes.py), not this route's
-    assert not wrong_first, (f"{impl.name}'s layer FAILED on bounds before any weight change, so "
-                             f"{route} was not judged: {wrong_first[0].detail}")
+    wrong_first = [r for r in captured if r.detail.startswith(WRONG_BEFORE_ANY_CHANGE)]
+    if wrong_first:
+        why_not, bad = layer_wrong_from_the_start(impl, f"{route} not judged: "
+                                                        f"{wrong_first[0].detail}")
+        if why_not:
+            pytest.skip(why_not)
+        pytest.fail("; ".join(bad))
     assert all(r.ok for r in captured), [r.to_dict() for r in captured if not r.ok]
     if impl is FUSED:
         expected = STALE if route == "param_data_assign" else GRAPH_SAFE

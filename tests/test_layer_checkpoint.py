@@ -10,6 +10,7 @@ import pytest
 
 from magi_moe.audit.checkpoint import WRONG_CHECKPOINT, WRONG_LAYER, check_layer_checkpoint
 from magi_moe.config import preset
+from magi_moe.tests.layer_wrong_first import layer_wrong_from_the_start
 
 pytestmark = pytest.mark.clause("checkpoint")
 
@@ -17,14 +18,8 @@ pytestmark = pytest.mark.clause("checkpoint")
 def checkpoint_failures(impl, device) -> tuple[str | None, list[str]]:
     """``(why it was not judged, failures)`` for ``impl``'s layer built from a drawn checkpoint."""
     found = check_layer_checkpoint(impl, impl.fit(preset("tiny")), device)
-    if found.status == WRONG_LAYER:
-        # wrong on what it holds too: not a loading fault but the layer's accuracy (or, with its
-        # own router, its routing), which the weight-change rows report once, under accuracy
-        if impl.router is not None:
-            return (f"{impl.name}'s layer is wrong on its own weights, with its own router "
-                    f"(see the routing clause): {found.detail}"), []
-        return None, [f"{impl.name}'s layer FAILED on bounds before any weight change, "
-                      f"{found.detail}"]
+    if found.status == WRONG_LAYER:  # not a loading fault: the layer's accuracy (or routing)
+        return layer_wrong_from_the_start(impl, found.detail)
     if found.status == WRONG_CHECKPOINT:
         return None, [f"{impl.name}'s layer computes another checkpoint than it was given: "
                       f"{found.detail}", *found.renamed]

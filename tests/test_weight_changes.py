@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import pytest
 
-from magi_moe.audit.cache import NOT_APPLICABLE, ROUTES, SKIPPED, audit_weight_cache
+from magi_moe.audit.cache import (NOT_APPLICABLE, ROUTES, SKIPPED, WRONG_BEFORE_ANY_CHANGE,
+                                  audit_weight_cache)
 from magi_moe.config import preset
 from magi_moe.impls import BUILTINS
+from magi_moe.tests.layer_wrong_first import layer_wrong_from_the_start
 
 ROUTE_ROWS = [pytest.param(r, id=r, marks=pytest.mark.clause(f"weight-change/{r}")) for r in ROUTES]
 
@@ -34,21 +36,16 @@ def _judged_elsewhere(impl, backend: str) -> str | None:
 def route_failures(impl, device, route: str) -> tuple[str | None, list[str]]:
     """``(why it was not judged, failures)`` for ``impl``'s layer under one weight-change route.
 
-    A layer already wrong with its first weights leaves nothing for the route to judge: with its
-    own router that is the routing clause's finding (skipped here); else it is the accuracy
-    judge's (its worst-case bound), reported as such so that the verdict counts it under
-    accuracy: one root cause, one FAIL row, not one per route."""
+    A layer already wrong with its first weights leaves nothing for the route to judge
+    (:func:`~magi_moe.tests.layer_wrong_first.layer_wrong_from_the_start`)."""
     report = audit_weight_cache(impl, config=impl.fit(preset("tiny")), device=device,
                                 routes=(route,), seed=5)
     judged = [r for r in report.results if r.status not in (SKIPPED, NOT_APPLICABLE)]
-    wrong_first = [r for r in judged if r.detail.startswith("wrong before any change")]
-    if wrong_first and impl.router is not None:
-        return (f"{impl.name}'s layer is wrong before any weight change, with its own router "
-                f"(see the routing clause): {wrong_first[0].detail}"), []
+    wrong_first = [r for r in judged if r.detail.startswith(WRONG_BEFORE_ANY_CHANGE)]
     if wrong_first:
         first = wrong_first[0]
-        return None, [f"{impl.name}'s layer FAILED on bounds before any weight change, so "
-                      f"{route} was not judged ({first.route}/{first.parameter}: {first.detail})"]
+        return layer_wrong_from_the_start(
+            impl, f"{route} not judged ({first.route}/{first.parameter}: {first.detail})")
     if not judged:
         return "; ".join(sorted({r.detail for r in report.results})) or "no result", []
     return None, [f"{r.route}/{r.parameter}: {r.status} (promised {r.promised}): {r.detail}"
