@@ -3,14 +3,14 @@
 Triton's interpreter maps ``triton.language`` onto its NumPy builder when a launch starts and
 undoes it when the launch ends. It also re-runs that mapping at every call of a ``@triton.jit``
 helper inside the kernel (``InterpretedFunction.__call__``), walking every member of
-``triton.language`` again: 2-3 ms a call, about a third of an interpreted kernel test, for
-changes that are already in place. :func:`install` makes a nested call skip the mapping when
+``triton.language`` again: 2-3 ms a call, 20-35% of an interpreted kernel call, for changes
+that are already in place. :func:`install` makes a nested call skip the mapping when
 the launch already mapped every language module the helper sees (``triton.language``,
 ``triton.language.core``), and map as before otherwise. What runs is the same code on the same
 mapping, so the kernels' bits do not change (``tests/test_interpreter_calls.py`` compares).
 
 Only Triton versions whose interpreter undoes the mapping at the end of a launch
-(``_LangPatchScope``, Triton 3.5 and later) get the shortcut; elsewhere :func:`install` leaves
+(``_LangPatchScope``: Triton 3.6 and 3.9 both do) get the shortcut; elsewhere :func:`install` leaves
 Triton as it is. ``MAGI_MOE_INTERPRETER_SHORTCUT=0`` turns it off.
 """
 from __future__ import annotations
