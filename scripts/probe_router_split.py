@@ -1,0 +1,179 @@
+"""Probe: the router's top-K launch as two, a logits GEMM and a picks kernel, against the
+committed ``router_topk_kernel``: each launch alone and the pair (L2 flushed, median of 60), ids,
+probabilities and per-block counts compared bit for bit.
+
+1. ``router_logits_kernel``: ``logits = x @ gate^T`` in fp32 as a plain wgmma GEMM over
+   ``K' = 3 * Dh``: the gate's three exact bf16 parts interleaved per 64-wide slice of Dh
+   (part 3, 2, 1 of slice 0, then of slice 1, ...), the order in which the committed kernel sums
+   them, so every logit has the committed bits; ``x`` is read once per part.
+2. ``router_picks_kernel``: the committed kernel's scores, keys, picks, normalisation and block
+   counts on the stored logits, a row of 256 experts within one warp (no barrier a pick)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from magi_moe.bench.cases import BenchCase, draw_problem  # noqa: E402
+from magi_moe.bench.timing import time_paths, summarize  # noqa: E402
+from magi_moe.kernels import fused_routing as FR  # noqa: E402
+from magi_moe.kernels.schedule import cdiv  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_router_wgmma import committed, gate_parts  # noqa: E402
+
+
+@triton.jit
+def router_logits_kernel(x_desc, g_desc, logits_desc, NUM_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NSTAGES: tl.constexpr):
+    tb = tl.program_id(0)
+    head = tl.program_id(1)
+    acc = tl.zeros((BLOCK_M, NUM_EXPERTS), dtype=tl.float32)
+    for k in tl.range(0, 3 * (HEAD_DIM // BLOCK_D), num_stages=NSTAGES):
+        xk = x_desc.load([tb * BLOCK_M, head * HEAD_DIM + (k // 3) * BLOCK_D])
+        gk = g_desc.load([head * NUM_EXPERTS, k * BLOCK_D])
+        acc = tl.dot(xk, gk.T, acc)
+    logits_desc.store([tb * BLOCK_M, head * NUM_EXPERTS], acc)
+
+
+@triton.jit
+def router_picks_kernel(logits_ptr, bias_ptr, ids_ptr, probs_ptr, block_counts_ptr,
+                        num_tokens, route_scale, NUM_HEADS: tl.constexpr,
+                        NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                        BLOCK_S: tl.constexpr, SUB_S: tl.constexpr, ROUTE_NORM: tl.constexpr,
+                        HAS_BIAS: tl.constexpr):
+    # BLOCK_S tokens (the block counts' granularity) in steps of SUB_S rows, one row a warp
+    # when SUB_S == num_warps: 8 experts a lane, every pick within a warp.
+    tb = tl.program_id(0)
+    head = tl.program_id(1)
+    e = tl.arange(0, NUM_EXPERTS)
+    kk = tl.arange(0, K_PAD)
+    bias = tl.load(bias_ptr + head * NUM_EXPERTS + e)
+    taken_rows = tl.zeros((SUB_S, NUM_EXPERTS), dtype=tl.int32)
+    for sub in tl.static_range(BLOCK_S // SUB_S):
+        s = (tb.to(tl.int64) * BLOCK_S + sub * SUB_S) + tl.arange(0, SUB_S).to(tl.int64)
+        s_mask = s < num_tokens
+        logits = tl.load(logits_ptr + s[:, None] * (NUM_HEADS * NUM_EXPERTS)
+                         + head * NUM_EXPERTS + e[None, :], mask=s_mask[:, None], other=0.0)
+        scores = tl.sigmoid(logits)
+        selection = scores
+        if HAS_BIAS:
+            selection = scores + bias[None, :]
+        bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
+        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        key = tl.where(selection == selection, key, -2147483647)
+        experts = tl.broadcast_to(e[None, :], (SUB_S, NUM_EXPERTS))
+        chosen_ids = tl.zeros((SUB_S, K_PAD), dtype=tl.int32)
+        chosen_p = tl.zeros((SUB_S, K_PAD), dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            _, idx, p_k = tl.reduce((key, experts, scores), 1, FR._higher_selection)
+            key = tl.where(e[None, :] == idx[:, None], -2147483648, key)
+            chosen_ids = tl.where(kk[None, :] == k, idx[:, None], chosen_ids)
+            chosen_p = tl.where(kk[None, :] == k, p_k[:, None], chosen_p)
+        if ROUTE_NORM:
+            denom = tl.maximum(tl.sum(chosen_p, axis=1), FR.NORM_EPS_VALUE)
+            chosen_p = chosen_p / denom[:, None]
+        chosen_p = chosen_p * route_scale
+        out_offsets = (s[:, None] * NUM_HEADS + head) * TOP_K + kk[None, :]
+        out_mask = s_mask[:, None] & (kk[None, :] < TOP_K)
+        tl.store(ids_ptr + out_offsets, chosen_ids, mask=out_mask)
+        tl.store(probs_ptr + out_offsets, chosen_p, mask=out_mask)
+        taken_rows += (s_mask[:, None] & (key == -2147483648)).to(tl.int32)
+    counts = tl.sum(taken_rows, axis=0)
+    tl.store(block_counts_ptr + tb.to(tl.int64) * (NUM_HEADS * NUM_EXPERTS)
+             + head * NUM_EXPERTS + e, counts)
+
+
+def interleaved_parts(gate: torch.Tensor, block_d: int = 64) -> torch.Tensor:
+    """[H*E, 3*Dh] bf16: per 64-wide slice of Dh, part 3, part 2, part 1 of the exact split."""
+    parts = gate_parts(gate).view(3, gate.shape[0], -1, block_d)   # [part 1..3, HE, slices, 64]
+    return parts.flip(0).permute(1, 2, 0, 3).reshape(gate.shape[0], -1).contiguous()
+
+
+def split_form(problem, g_inter, bm, gemm_warps, stages, bs, picks_warps):
+    cfg = problem.config
+    H, E, K, Dh = cfg.num_heads, cfg.num_experts, cfg.top_k, cfg.head_dim
+    x = problem.x
+    S = x.shape[0]
+    TB = cdiv(S, bs)
+    logits = torch.full((S, H * E), float("nan"), dtype=torch.float32, device=x.device)
+    ids = torch.full((S, H, K), -7, dtype=torch.int32, device=x.device)
+    probs = torch.full((S, H, K), float("nan"), dtype=torch.float32, device=x.device)
+    counts = torch.full((TB, H * E), -7, dtype=torch.int32, device=x.device)
+    x_desc = TensorDescriptor(x, list(x.shape), [x.stride(0), 1], [bm, 64])
+    g_desc = TensorDescriptor(g_inter, list(g_inter.shape), [g_inter.stride(0), 1], [E, 64])
+    l_desc = TensorDescriptor(logits, list(logits.shape), [logits.stride(0), 1], [bm, E])
+
+    def gemm():
+        return router_logits_kernel[(cdiv(S, bm), H)](
+            x_desc, g_desc, l_desc, NUM_HEADS=H, HEAD_DIM=Dh, NUM_EXPERTS=E, BLOCK_M=bm,
+            BLOCK_D=64, NSTAGES=stages, num_warps=gemm_warps)
+
+    def picks():
+        return router_picks_kernel[(TB, H)](
+            logits, problem.bias, ids, probs, counts, S, 1.0, NUM_HEADS=H, NUM_EXPERTS=E,
+            TOP_K=K, K_PAD=max(2, triton.next_power_of_2(K)), BLOCK_S=bs, SUB_S=picks_warps,
+            ROUTE_NORM=True,
+            HAS_BIAS=True, num_warps=picks_warps)
+
+    def both():
+        gemm()
+        return picks()
+    return gemm, picks, both, (ids, probs, counts)
+
+
+FORMS = [  # GEMM block_m, warps, stages; picks block_s, warps
+    (128, 8, 3, 32, 4), (64, 4, 3, 32, 8), (128, 8, 2, 32, 16), (64, 4, 4, 32, 2),
+]
+
+
+def main():
+    device = torch.device("cuda")
+    for H, S in [(3, 512), (3, 4096), (3, 16384), (12, 4096)]:
+        problem = draw_problem(BenchCase(H, S), device)
+        g_inter = interleaved_parts(problem.gate)
+        fn, out0 = committed(problem)
+        fn()
+        paths, outs = {"committed": fn}, {}
+        for form in FORMS:
+            name = "gemm bm{} w{} st{} + picks bs{} w{}".format(*form)
+            try:
+                gemm, picks, both, out = split_form(problem, g_inter, *form)
+                kg, kp = gemm(), picks()
+                torch.cuda.synchronize()
+            except Exception as exc:  # a form that does not compile is reported, not fatal
+                print(f"H={H} S={S} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            print(f"  {name}: gemm regs {kg.n_regs} spills {kg.n_spills} smem "
+                  f"{kg.metadata.shared}; picks regs {kp.n_regs} spills {kp.n_spills} smem "
+                  f"{kp.metadata.shared}", flush=True)
+            paths[name] = both
+            paths[name + " [gemm]"] = gemm
+            paths[name + " [picks]"] = picks
+            outs[name] = out
+        torch.cuda.synchronize()
+        times = time_paths(paths, warmup=10, iters=60, flush_mib=512, device=device)
+        ids0, probs0, counts0 = out0
+        for name in paths:
+            line = f"H={H} S={S} {name}: {summarize(times[name])['median_ms'] * 1000:.1f} us"
+            if name in outs:
+                ids, probs, counts = outs[name]
+                same = (torch.equal(ids, ids0) and torch.equal(probs.view(torch.int32),
+                                                               probs0.view(torch.int32))
+                        and torch.equal(counts, counts0))
+                line += f" bits {'same' if same else 'DIFFER'}"
+                if not same:
+                    line += (f" (ids differ {(ids != ids0).sum().item()}, probs differ "
+                             f"{(probs.view(torch.int32) != probs0.view(torch.int32)).sum().item()})")
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
