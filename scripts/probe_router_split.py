@@ -160,6 +160,65 @@ def router_picks_rows_kernel(logits_ptr, bias_ptr, ids_ptr, probs_ptr, block_cou
              + head * NUM_EXPERTS + j[:, None] * C + c[None, :], counts)
 
 
+
+@triton.jit
+def router_picks_block_kernel(logits_ptr, bias_ptr, ids_ptr, probs_ptr, block_counts_ptr,
+                              num_tokens, route_scale, NUM_HEADS: tl.constexpr,
+                              NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
+    # All BLOCK_S tokens at once as [J, BLOCK_S, 32] (expert j*32 + lane): warps along the
+    # tokens, lanes along the experts, J in each thread. No [tokens, K] tensors (whose layout
+    # costs a conversion a pick): each pick's ids go straight out, the six scores stay six
+    # vectors and are normalised in the committed order of sums. Top-6, sigmoid, a bias only.
+    tb = tl.program_id(0)
+    head = tl.program_id(1)
+    C: tl.constexpr = 32
+    J: tl.constexpr = NUM_EXPERTS // C
+    j = tl.arange(0, J)
+    c = tl.arange(0, C)
+    s = tb.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S).to(tl.int64)
+    s_mask = s < num_tokens
+    experts = tl.broadcast_to(j[:, None, None] * C + c[None, None, :], (J, BLOCK_S, C))
+    logits = tl.load(logits_ptr + s[None, :, None] * (NUM_HEADS * NUM_EXPERTS)
+                     + head * NUM_EXPERTS + experts, mask=s_mask[None, :, None], other=0.0)
+    scores = tl.sigmoid(logits)
+    selection = scores + tl.load(bias_ptr + head * NUM_EXPERTS + experts)
+    bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = tl.where(selection == selection, key, -2147483647)
+    slot = (s * NUM_HEADS + head) * TOP_K
+    tl.static_assert(TOP_K == 6, "the probe writes out the committed six-term sum only")
+    for k in tl.static_range(TOP_K):
+        k2, i2, p2 = tl.reduce((key, experts, scores), 0, FR._higher_selection)
+        _, idx, p_k = tl.reduce((k2, i2, p2), 1, FR._higher_selection)
+        key = tl.where(experts == idx[None, :, None], -2147483648, key)
+        tl.store(ids_ptr + slot + k, idx, mask=s_mask)
+        if k == 0:
+            p0 = p_k
+        elif k == 1:
+            p1 = p_k
+        elif k == 2:
+            p2_ = p_k
+        elif k == 3:
+            p3 = p_k
+        elif k == 4:
+            p4 = p_k
+        else:
+            p5 = p_k
+    # the committed kernel's tl.sum over its [tokens, 8] picks, on the H200: (01 + 45) + 23
+    denom = tl.maximum(((p0 + p1) + (p4 + p5)) + (p2_ + p3), FR.NORM_EPS_VALUE)
+    tl.store(probs_ptr + slot, p0 / denom * route_scale, mask=s_mask)
+    tl.store(probs_ptr + slot + 1, p1 / denom * route_scale, mask=s_mask)
+    tl.store(probs_ptr + slot + 2, p2_ / denom * route_scale, mask=s_mask)
+    tl.store(probs_ptr + slot + 3, p3 / denom * route_scale, mask=s_mask)
+    tl.store(probs_ptr + slot + 4, p4 / denom * route_scale, mask=s_mask)
+    tl.store(probs_ptr + slot + 5, p5 / denom * route_scale, mask=s_mask)
+    taken = (s_mask[None, :, None] & (key == -2147483648)).to(tl.int32)
+    counts = tl.sum(taken, axis=1)  # [J, C]: expert j*32 + c
+    tl.store(block_counts_ptr + tb.to(tl.int64) * (NUM_HEADS * NUM_EXPERTS)
+             + head * NUM_EXPERTS + j[:, None] * C + c[None, :], counts)
+
+
 def interleaved_parts(gate: torch.Tensor, block_d: int = 64) -> torch.Tensor:
     """[H*E, 3*Dh] bf16: per 64-wide slice of Dh, part 3, part 2, part 1 of the exact split."""
     parts = gate_parts(gate).view(3, gate.shape[0], -1, block_d)   # [part 1..3, HE, slices, 64]
@@ -265,7 +324,47 @@ GEMM_FORMS = [  # block_m, warps, stages, block_n: logits alone (same sums in ev
 ]
 
 
+def block_main():
+    """The picks kernel taking all 32 tokens of a block at once, 4 / 8 / 16 warps, on logits
+    from the GEMM; ids, probabilities and counts against the committed kernel; times."""
+    device = torch.device("cuda")
+    for H, S in [(3, 512), (3, 4096), (3, 16384), (12, 4096)]:
+        problem = draw_problem(BenchCase(H, S), device)
+        g_inter = interleaved_parts(problem.gate)
+        fn0, (ids0, probs0, counts0) = committed(problem)
+        fn0()
+        paths = {"committed": fn0}
+        gemm, _, _, (ids, probs, counts), _ = split_form(problem, g_inter, 64, 4, 3, 32, 8)
+        gemm()
+        TB = cdiv(S, 32)
+        for warps in (4, 8, 16):
+            def go(warps=warps):
+                return router_picks_block_kernel[(TB, H)](
+                    gemm.logits, problem.bias, ids, probs, counts, S, 1.0, NUM_HEADS=H,
+                    NUM_EXPERTS=256, TOP_K=6, BLOCK_S=32, num_warps=warps)
+            ids.fill_(-7), probs.fill_(float("nan")), counts.fill_(-7)
+            k = go()
+            torch.cuda.synchronize()
+            same = (torch.equal(ids, ids0) and torch.equal(counts, counts0)
+                    and torch.equal(probs.view(torch.int32), probs0.view(torch.int32)))
+            print(f"H={H} S={S} block w{warps}: regs {k.n_regs} spills {k.n_spills} smem "
+                  f"{k.metadata.shared}; ids, probabilities and counts "
+                  f"{'same' if same else 'DIFFER'}", flush=True)
+            paths[f"block w{warps} [picks]"] = go
+
+            def pair(go=go):
+                gemm()
+                return go()
+            paths[f"gemm bm64 w4 st3 + block w{warps}"] = pair
+        times = time_paths(paths, warmup=10, iters=60, flush_mib=512, device=device)
+        for name in paths:
+            print(f"H={H} S={S} {name}: {summarize(times[name])['median_ms'] * 1000:.1f} us",
+                  flush=True)
+
+
 def main():
+    if "--block" in sys.argv:
+        return block_main()
     if "--rows" in sys.argv:
         return rows_main()
     device = torch.device("cuda")
