@@ -3,34 +3,21 @@ loop over I: the tool that screens kernel changes before GPU time (docs/PERFORMA
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
+pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "inspect_kernel.py"
-NVIDIA_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+from magi_moe.tests.developer_scripts import in_checkout, needs_nvidia_tools, run_script  # noqa: E402
 
-# The installed suite (magi_moe.tests) has no scripts/: this is a checkout's developer tool.
-pytestmark = pytest.mark.skipif(not SCRIPT.exists(),
-                                reason="scripts/inspect_kernel.py is in a checkout, not the wheel")
+pytestmark = in_checkout("inspect_kernel.py")
 
 
-def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+def _run(*args: str, interpret: bool = False):
+    return run_script("inspect_kernel.py", *args, interpret=interpret)
 
 
-needs_tools = pytest.mark.skipif(not (NVIDIA_TOOLS / "nvdisasm").exists(),
-                                 reason="this Triton ships no NVIDIA tools (nvdisasm, ptxas)")
+needs_tools = needs_nvidia_tools()
 
 
 def _inner_loop(tmp_path, **tiles) -> dict:

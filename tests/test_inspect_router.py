@@ -5,35 +5,22 @@ row of experts within one warp, on wgmma)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-triton = pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
+pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "inspect_router.py"
-NVIDIA_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+from magi_moe.tests.developer_scripts import in_checkout, needs_nvidia_tools, run_script  # noqa: E402
 
-# The installed suite (magi_moe.tests) has no scripts/: this is a checkout's developer tool.
-pytestmark = pytest.mark.skipif(not SCRIPT.exists(),
-                                reason="scripts/inspect_router.py is in a checkout, not the wheel")
+pytestmark = in_checkout("inspect_router.py")
 
 
-def _run(*args: str, interpret: bool = False) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=300)
+def _run(*args: str, interpret: bool = False):
+    return run_script("inspect_router.py", *args, interpret=interpret)
 
 
 @pytest.mark.slow  # two sm_90 compiles and a refused argument, 20-25 s on two cores
-@pytest.mark.skipif(not (NVIDIA_TOOLS / "nvdisasm").exists(),
-                    reason="this Triton ships no NVIDIA tools (nvdisasm, ptxas)")
+@needs_nvidia_tools()
 def test_the_committed_picks_cross_every_warp_and_64_tokens_on_4_warps_do_not(tmp_path):
     out = tmp_path / "router.json"
     run = _run("--tiles", "{}", "--tiles", json.dumps({"block_s": 64, "warps": 4}),
