@@ -154,26 +154,29 @@ def innermost_mma_loop(lines: list[tuple[int, str]], labels: dict[str, int]) -> 
     return best
 
 
-def inspect(tiles: FusedTiles, **shape) -> dict:
-    """Shared memory, registers, spills and the innermost MMA loop of the compiled kernel
-    (``shape``: :func:`compile_one_kernel`'s keywords)."""
-    compiled = compile_one_kernel(tiles, **shape)
+def ptxas_usage(compiled, arch: int) -> dict:
+    """Registers a thread and spilled bytes of a compiled kernel, as ``ptxas -v`` reports them."""
     with tempfile.TemporaryDirectory() as d:
         ptx = Path(d) / "kernel.ptx"
         ptx.write_text(compiled.asm["ptx"])
-        arch = shape.get("arch", 90)
         # the ptxas Triton itself assembles this arch with (newer Tritons emit PTX the
         # legacy one refuses)
         info = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx),
                                "-o", str(Path(d) / "kernel.o")], capture_output=True, text=True)
-    text = info.stderr
-    registers = re.search(r"Used (\d+) registers", text)
-    spilled = re.search(r"(\d+) bytes spill stores", text)
+    registers = re.search(r"Used (\d+) registers", info.stderr)
+    spilled = re.search(r"(\d+) bytes spill stores", info.stderr)
+    return {"registers": int(registers.group(1)) if registers else None,
+            "spilled_bytes": int(spilled.group(1)) if spilled else None}
+
+
+def inspect(tiles: FusedTiles, **shape) -> dict:
+    """Shared memory, registers, spills and the innermost MMA loop of the compiled kernel
+    (``shape``: :func:`compile_one_kernel`'s keywords)."""
+    compiled = compile_one_kernel(tiles, **shape)
     lines, labels = sass_lines(compiled.asm["cubin"])
     return {"tiles": {k: v for k, v in asdict(tiles).items() if k.startswith(("gu_", "block_m"))},
             "shared_bytes": compiled.metadata.shared,
-            "registers": int(registers.group(1)) if registers else None,
-            "spilled_bytes": int(spilled.group(1)) if spilled else None,
+            **ptxas_usage(compiled, shape.get("arch", 90)),
             "inner_loop": innermost_mma_loop(lines, labels)}
 
 

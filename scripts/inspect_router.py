@@ -23,9 +23,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -35,11 +33,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     sys.exit("inspect_router.py compiles for a GPU: unset TRITON_INTERPRET (the interpreter "
              "replaces @triton.jit kernels, so there is nothing to compile)")
 
-from inspect_kernel import sass_lines  # noqa: E402
+from inspect_kernel import ptxas_usage, sass_lines  # noqa: E402
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from magi_moe.kernels.fused_routing import router_topk_kernel  # noqa: E402
@@ -88,20 +85,12 @@ def logits_layout(ttgir: str) -> dict:
 
 def inspect(tiles: RoutingTiles, arch: int = 90) -> dict:
     compiled = compile_router(tiles, arch=arch)
-    with tempfile.TemporaryDirectory() as d:
-        ptx = Path(d) / "kernel.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        info = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", str(ptx),
-                               "-o", str(Path(d) / "kernel.o")], capture_output=True, text=True)
-    registers = re.search(r"Used (\d+) registers", info.stderr)
-    spilled = re.search(r"(\d+) bytes spill stores", info.stderr)
     lines, _ = sass_lines(compiled.asm["cubin"])
     opcodes = [ins.split()[0] if not ins.startswith("@") else ins.split()[1] for _, ins in lines]
     return {"tiles": {k: v for k, v in asdict(tiles).items() if k in ("block_s", "block_d",
                                                                        "warps")},
             "shared_bytes": compiled.metadata.shared,
-            "registers": int(registers.group(1)) if registers else None,
-            "spilled_bytes": int(spilled.group(1)) if spilled else None,
+            **ptxas_usage(compiled, arch),
             **logits_layout(compiled.asm["ttgir"]),
             "barriers": sum(op.startswith("BAR") for op in opcodes),
             "shuffles": sum(op.startswith("SHFL") for op in opcodes)}
