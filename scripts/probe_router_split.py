@@ -26,7 +26,7 @@ from magi_moe.kernels import fused_routing as FR  # noqa: E402
 from magi_moe.kernels.schedule import cdiv  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe_router_wgmma import committed, gate_parts  # noqa: E402
+from probe_router_wgmma import committed, gate_parts, selection_key  # noqa: E402
 
 
 @triton.jit
@@ -69,9 +69,7 @@ def router_picks_kernel(logits_ptr, bias_ptr, ids_ptr, probs_ptr, block_counts_p
         selection = scores
         if HAS_BIAS:
             selection = scores + bias[None, :]
-        bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        key = tl.where(selection == selection, key, -2147483647)
+        key = selection_key(selection)
         experts = tl.broadcast_to(e[None, :], (SUB_S, NUM_EXPERTS))
         chosen_ids = tl.zeros((SUB_S, K_PAD), dtype=tl.int32)
         chosen_p = tl.zeros((SUB_S, K_PAD), dtype=tl.float32)
@@ -122,9 +120,7 @@ def router_picks_rows_kernel(logits_ptr, bias_ptr, ids_ptr, probs_ptr, block_cou
                          + head * NUM_EXPERTS + experts, mask=s_mask[None, :, None], other=0.0)
         scores = tl.sigmoid(logits)
         selection = scores + bias
-        bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
-        key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        key = tl.where(selection == selection, key, -2147483647)
+        key = selection_key(selection)
         chosen_ids = tl.zeros((SUB_S, K_PAD), dtype=tl.int32)
         chosen_p = tl.zeros((SUB_S, K_PAD), dtype=tl.float32)
         for k in tl.static_range(TOP_K):
@@ -183,9 +179,7 @@ def router_picks_block_kernel(logits_ptr, bias_ptr, ids_ptr, probs_ptr, block_co
                      + head * NUM_EXPERTS + experts, mask=s_mask[None, :, None], other=0.0)
     scores = tl.sigmoid(logits)
     selection = scores + tl.load(bias_ptr + head * NUM_EXPERTS + experts)
-    bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = tl.where(selection == selection, key, -2147483647)
+    key = selection_key(selection)
     slot = (s * NUM_HEADS + head) * TOP_K
     tl.static_assert(TOP_K == 6, "the probe writes out the committed six-term sum only")
     for k in tl.static_range(TOP_K):

@@ -29,7 +29,19 @@ from magi_moe.bench.timing import time_paths, summarize  # noqa: E402
 from magi_moe.kernels import fused_routing as FR  # noqa: E402
 from magi_moe.kernels.schedule import cdiv  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_router_occupancy import launcher  # noqa: E402
+
 NORM_EPS_VALUE = FR.NORM_EPS_VALUE
+
+
+@triton.jit
+def selection_key(selection):
+    """The committed kernel's int32 key of a selection: signed order is float order, -0.0 is
+    +0.0, NaN ranks below -inf (magi_moe/kernels/fused_routing.py, router_topk_kernel)."""
+    bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(selection == selection, key, -2147483647)
 
 
 @triton.jit
@@ -74,9 +86,7 @@ def router_topk_wgmma(
     selection = scores
     if HAS_BIAS:
         selection = scores + tl.load(bias_ptr + head * NUM_EXPERTS + e)[None, :]
-    bits = tl.where(selection == 0.0, 0.0, selection).to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = tl.where(selection == selection, key, -2147483647)
+    key = selection_key(selection)
     experts = tl.broadcast_to(e[None, :], (BLOCK_S, NUM_EXPERTS))
     kk = tl.arange(0, K_PAD)
     if SCRATCH:
@@ -126,23 +136,8 @@ def gate_parts(gate: torch.Tensor) -> torch.Tensor:
 
 
 def committed(problem):
-    cfg = problem.config
-    H, E, K, Dh = cfg.num_heads, cfg.num_experts, cfg.top_k, cfg.head_dim
-    x = problem.x
-    S = x.shape[0]
-    TB = cdiv(S, 32)
-    ids = torch.full((S, H, K), -7, dtype=torch.int32, device=x.device)
-    probs = torch.full((S, H, K), float("nan"), dtype=torch.float32, device=x.device)
-    counts = torch.full((TB, H * E), -7, dtype=torch.int32, device=x.device)
-
-    def go():
-        return FR.router_topk_kernel[(TB, H)](
-            x, problem.gate, problem.bias, ids, probs, counts, S, x.stride(0), 1.0,
-            NUM_HEADS=H, HEAD_DIM=Dh, NUM_EXPERTS=E, E_PAD=E, TOP_K=K,
-            K_PAD=max(2, triton.next_power_of_2(K)), BLOCK_S=32, BLOCK_D=64, SOFTMAX=False,
-            ROUTE_NORM=True, HAS_BIAS=True, DOT_PRECISION="ieee", SPLIT_GATE=True,
-            UPCAST=False, TUPLE_PICKS=True, num_warps=8)
-    return go, (ids, probs, counts)
+    """The committed launch (32 tokens, 8 warps, block_d 64): the occupancy probe's form."""
+    return launcher(problem, 32, 8, None, None)
 
 
 def wgmma_form(problem, parts, bs, warps, stages, scratch, pick, top_k=None, no_gemm=False,
