@@ -57,9 +57,9 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-def _run(capsys, *args, json_path=None) -> tuple[str, dict | None]:
+def _run(capsys, *args, json_path=None, status=0) -> tuple[str, dict | None]:
     argv = [*TINY, *args] + (["--json", str(json_path)] if json_path else [])
-    assert main(argv) == 0
+    assert main(argv) == status
     report = json.loads(json_path.read_text()) if json_path else None
     return capsys.readouterr().out, report
 
@@ -126,7 +126,7 @@ def test_outside_implementation_is_timed_beside_the_baseline_with_errors(capsys,
 def test_a_wrong_implementation_is_reported_and_not_timed(capsys, tmp_path):
     CALLS["forgets-probs"] = 0
     text, report = _run(capsys, "--impl", "tests.test_bench_outside:FORGETS_PROBS",
-                        "--paths", "torch-bf16", json_path=tmp_path / "b.json")
+                        "--paths", "torch-bf16", json_path=tmp_path / "b.json", status=1)
     cells = _row(text, "forgets-probs")
     assert cells[-1] == "WRONG" and cells[2] == "-", cells  # no median: not timed
     assert float(cells[-2]) > 0.1, cells  # its error is shown
@@ -137,17 +137,23 @@ def test_a_wrong_implementation_is_reported_and_not_timed(capsys, tmp_path):
     # its own layer is wrong too: one judged call per level, none timed
     assert result["parity"]["forgets-probs-layer"]["status"] == "WRONG"
     assert CALLS["forgets-probs"] == 2
+    # the last line names what was wrong, for a CI log read from its end
+    assert text.strip().splitlines()[-1] == (
+        "not timed: forgets-probs WRONG at H=1,S=32; forgets-probs-layer WRONG at H=1,S=32")
 
 
 def test_shapes_outside_the_declaration_are_unsupported_and_never_called(capsys, tmp_path):
     CALLS["narrow"] = 0
     text, report = _run(capsys, "--impl", "tests.test_bench_outside:NARROW", "--paths", "torch-bf16",
-                        json_path=tmp_path / "b.json")
+                        json_path=tmp_path / "b.json", status=5)
     for name in ("narrow-topk", "narrow-topk-layer"):
         assert _row(text, name)[-1] == "unsupported"
         assert f"{name}: unsupported, not timed: narrow-topk: top_k must be <= 1, got 2" in text
     assert CALLS["narrow"] == 0
     assert set(report["results"][0]["timings"]) == {"torch-bf16"}
+    # the baseline was timed, but nothing the run asked about: not a green run
+    assert text.strip().splitlines()[-1].startswith(
+        "nothing asked for was timed: narrow-topk, narrow-topk-layer"), text
 
 
 def test_an_implementation_that_cannot_run_here_is_refused_at_once(capsys, monkeypatch):

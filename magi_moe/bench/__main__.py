@@ -33,6 +33,11 @@ with its error and not timed; a case outside its declared shapes is reported uns
 ``magi_moe/kernels/tiles/fused.json`` through the function the loader reads (:mod:`.sweep`);
 ``--breakdown`` times each launch of the fused path's plan alone.
 
+Exit status: 0 when every path asked for was timed or reported unsupported with at least one
+timed; 1 when a path was WRONG or raised (the table says which; the rest is still timed); 5 when
+nothing asked for was timed (every ``--impl`` path, or every path without ``--impl``, outside its
+declared shapes in every case), said on the last line; 2 for a bad argument, before any work.
+
 ``--json PATH`` writes everything measured. With ``--device cpu`` (and ``TRITON_INTERPRET=1``
 for the Triton paths) it runs small cases with wall-clock timers, as the output says: a smoke
 test of the harness, or a first timing of a plain PyTorch implementation.
@@ -221,6 +226,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.dropped = {p.name: p.cannot_run_on(device) for p in records if p.cannot_run_on(device)}
         records = [p for p in records if p.name not in args.dropped]
     args.paths = tuple(dict.fromkeys(records + impl_paths))
+    # what the exit status is about: the --impl paths when given, else every path asked for
+    args.asked = tuple(p.name for p in (impl_paths or args.paths))
     if args.flush_mib < 256:
         ap.error("--flush-mib must be at least 256 (the flush must exceed the L2 several times)")
     if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
@@ -283,7 +290,29 @@ def main(argv=None) -> int:
             json.dump(report, f, indent=1, default=str)
     if len(results) > 1:
         print(format_table(results))
-    return 0
+    status, line = exit_status(results, args.asked)
+    if line:
+        print(line, flush=True)
+    return status
+
+
+def exit_status(results: list[dict], asked) -> tuple[int, str | None]:
+    """(status, last line): 1 when a path was WRONG or raised, 5 when none of ``asked`` was timed
+    in any case (a green run that timed nothing would read as a pass), else 0."""
+    if not results:  # --sweep --sweep-only: no case was meant to be timed
+        return 0, None
+    failed: dict[str, list[str]] = {}
+    for r in results:
+        for name, check in r["parity"].items():
+            if isinstance(check, dict) and check.get("status") in ("WRONG", "error"):
+                failed.setdefault(f"{name} {check['status']}", []).append(r["label"])
+    if failed:
+        return 1, "not timed: " + "; ".join(f"{what} at {', '.join(labels)}"
+                                            for what, labels in failed.items())
+    if not any(name in r["timings"] for r in results for name in asked):
+        return 5, ("nothing asked for was timed: " + ", ".join(asked)
+                   + " ran in no case (unsupported everywhere; the table says why)")
+    return 0, None
 
 
 if __name__ == "__main__":
