@@ -36,6 +36,7 @@ from magi_moe.kernels import fused as F  # noqa: E402
 from magi_moe.kernels import fused_routing as FR  # noqa: E402
 from magi_moe.kernels import fused_tma as T  # noqa: E402
 from magi_moe.kernels import schedule as SC  # noqa: E402
+from magi_moe.problems import same_bits  # noqa: E402
 
 # (module, name) of every kernel the layer launches, in launch order
 LAUNCHES = [(FR, "router_topk_kernel"), (FR, "bank_prefix_kernel"),
@@ -128,8 +129,7 @@ def main():
         times = time_paths(paths, warmup=10, iters=60, flush_mib=512, device=device)
         med = {n: summarize(t)["median_ms"] * 1000 for n, t in times.items()}
         for form, (out_k, out_l) in outs.items():
-            same = (torch.equal(out_k.view(torch.int16), base_k.view(torch.int16))
-                    and torch.equal(out_l.view(torch.int16), base_l.view(torch.int16)))
+            same = same_bits(out_k, base_k) and same_bits(out_l, base_l)
             w, l_ = med[f"whole {form}"], med[f"layer {form}"]
             print(f"H={H} S={S} {form}: whole {w:.1f} us, layer {l_:.1f} us, "
                   f"layer - whole {l_ - w:.1f} us, layer / whole {l_ / w:.3f}, "
