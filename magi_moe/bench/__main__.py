@@ -33,10 +33,10 @@ with its error and not timed; a case outside its declared shapes is reported uns
 ``magi_moe/kernels/tiles/fused.json`` through the function the loader reads (:mod:`.sweep`);
 ``--breakdown`` times each launch of the fused path's plan alone.
 
-Exit status: 0 when every path asked for was timed or reported unsupported with at least one
-timed; 1 when a path was WRONG or raised (the table says which; the rest is still timed); 5 when
-nothing asked for was timed (every ``--impl`` path, or every path without ``--impl``, outside its
-declared shapes in every case), said on the last line; 2 for a bad argument, before any work.
+Exit status, said on the last line when not 0: 0 when no path was wrong and at least one path
+asked for (the ``--impl`` paths, else every path) was timed; 1 when a path was WRONG or raised
+(the others are still timed); 5 when nothing asked for was timed (outside its declared shapes in
+every case); 2 for a bad argument or no usable device, before any work.
 
 ``--json PATH`` writes everything measured. With ``--device cpu`` (and ``TRITON_INTERPRET=1``
 for the Triton paths) it runs small cases with wall-clock timers, as the output says: a smoke
