@@ -168,7 +168,7 @@ def router_topk_kernel(
         # The sum's order follows chosen_p's layout: on the H200 (Triton 3.6, the tiled
         # 32 tokens x 8 warps) it is ((p0 + p1) + (p4 + p5)) + (p2 + p3) for top-6. A form with
         # another layout keeps these probabilities' bits only by writing that order out
-        # (scripts/probe_router_split.py --block; docs/PERFORMANCE.md).
+        # (docs/PERFORMANCE.md, the router forms measured).
         denom = tl.maximum(tl.sum(chosen_p, axis=1), NORM_EPS_VALUE)
         chosen_p = chosen_p / denom[:, None]
     chosen_p = chosen_p * route_scale

@@ -2,7 +2,7 @@
 fused one-kernel path, which at BM=64 re-reads every routed bank's weights once per row block
 (docs/PERFORMANCE.md: about 3.1 GB from L2 in 0.54 ms at H=3, S=4096).
 
-    python scripts/probe_l2.py [--json out.json]        # needs a CUDA GPU with TMA (Hopper+)
+    python scripts/measure_l2.py [--json out.json]        # needs a CUDA GPU with TMA (Hopper+)
 
 Each program streams whole "banks" (``[I=1280, Dh=256]`` bf16, 640 KiB, like one down weight)
 tile by tile, as the kernel's down projection does: ``[16, 256]`` tiles by tensor descriptor
