@@ -22,10 +22,12 @@ from pathlib import Path
 from magi_moe.arguments import OneLineParser, refuse
 
 BACKEND_NAMES = ("cpu", "interpret", "cuda")
+# The prefix of its usage and error lines, as it was started: the console script or python -m.
+PROG = "magi-moe audit" if Path(sys.argv[0] if sys.argv else "").name == "magi-moe" else "python -m audit"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = OneLineParser(prog="python -m audit", description=__doc__.split("\n")[0],
+    p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=BACKEND_NAMES, default="cpu",
                    help="where to run: cpu (default; also runs the kernels if TRITON_INTERPRET=1), "
@@ -105,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     from .probes import PROBES
     from .report import Audit, AuditOptions
 
-    prog = "python -m audit"
+    prog = PROG
     for name in args.preset:
         if name not in PRESETS:
             return refuse(prog, f"--preset must be one of {sorted(PRESETS)}, got {name!r}")

@@ -51,13 +51,14 @@ from magi_moe.impls import BASELINE
 from magi_moe.problems import Problem, relative_l2
 from magi_moe.reference import expert_reference
 from magi_moe.registry import Implementation
+from magi_moe.verdict import CountedUnderAccuracy
 
 from .bounds import (DEFAULT_FAILURE_PROBABILITY, BoundReport, ErrorBounds, evaluate_bounds,
                      problem_bounds)
 from .precision import FP32, PrecisionModel, format_of, precision_model, ulp
 
 __all__ = ["BASELINE_FACTOR", "FAITHFUL", "FAITHFUL_FRACTION", "FAITHFUL_GAP", "Check",
-           "InvalidProblem", "Verdict", "judge"]
+           "Inaccurate", "InvalidProblem", "Verdict", "judge"]
 
 # FlashAttention's factor: the bounds do the fine work, this catches gross loss against plain
 # PyTorch. At 1 a correct kernel already used 0.83 of the allowance on small fuzz cases (native-det,
@@ -142,6 +143,42 @@ class Verdict:
 
     def __str__(self) -> str:
         return self.text
+
+    def failure(self) -> AssertionError | None:
+        """The failure this verdict stands for, as an exception to raise (or raise from), or None
+        when ok: :class:`Inaccurate` where an accuracy criterion decided, which the verdict counts
+        under the accuracy clause wherever the case stands; a plain AssertionError otherwise
+        (elements left unwritten are the case's own failure)."""
+        if self.ok:
+            return None
+        if self.criterion in ACCURACY_CRITERIA:
+            return Inaccurate(self.text, self.criterion)
+        return AssertionError(self.text)
+
+    def require(self) -> "Verdict":
+        """``assert v.ok, v.text`` that keeps the failure's type: raises :meth:`failure`."""
+        failure = self.failure()
+        if failure is not None:
+            raise failure
+        return self
+
+
+# The criteria whose failure is an inaccuracy (the verdict's accuracy clause); "written" is not.
+ACCURACY_CRITERIA = ("bounds", "baseline", "faithfulness")
+
+
+class Inaccurate(CountedUnderAccuracy):
+    """The accuracy judge failed a case: ``criterion`` is the check that decided (one of
+    :data:`ACCURACY_CRITERIA`). Raised by :meth:`Verdict.require`; the verdict reads the type."""
+
+    def __init__(self, text: str, criterion: str):
+        if criterion not in ACCURACY_CRITERIA:
+            raise ValueError(f"criterion must be one of {ACCURACY_CRITERIA}, got {criterion!r}")
+        super().__init__(text)
+        self.criterion = criterion
+
+    def __reduce__(self):
+        return type(self), (str(self), self.criterion)
 
 
 class InvalidProblem(ValueError):

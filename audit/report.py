@@ -35,7 +35,7 @@ from .clauses import audit_outcomes
 from .plots import write_plots
 from .precision import precision_model
 from .probes import PROBE_DESCRIPTIONS, PROBES, probe_problem
-from .rows import FAIL, INFO, PASS, SKIP, Row  # noqa: F401 -- also imported from here
+from .rows import FAIL, INFO, PASS, SKIP, SUITE, Row  # noqa: F401 -- also imported from here
 from .sections import SECTIONS, Section, section_named
 
 
@@ -80,8 +80,15 @@ class Audit:
     def say(self, text: str) -> None:
         print(text, file=self.stream or sys.stdout, flush=True)
 
-    def record(self, row: Row) -> Row:
-        """Keep ``row`` for the report and print it as a progress line."""
+    def record(self, row: Row, section: Section | None = None) -> Row:
+        """Keep ``row`` for the report and print it as a progress line. A row of an
+        implementation gets its ``section``'s clause unless it names its own, and the backend
+        its implementation ran on."""
+        if row.impl is not None:
+            if row.clause is None and section is not None:
+                row.clause = section.clause
+            if row.backend is None and row.impl != SUITE:
+                row.backend = self.runs_on(row.impl)
         self.rows.append(row)
         elapsed = time.perf_counter() - self.started
         self.say(f"[{elapsed:6.1f}s] {row.section:<12} {row.subject:<42} {row.status.upper():<5} "
@@ -97,6 +104,14 @@ class Audit:
         if self.options.impls:
             return [get_implementation(n) for n in self.options.impls]
         return implementations()
+
+    def runs_on(self, name: str) -> str:
+        """Where the implementation called ``name`` runs in this audit: on the cpu backend a
+        Triton implementation runs under the interpreter."""
+        impl = next((i for i in self.selected_impls() if i.name == name), None)
+        if self.backend.name == "cpu" and impl is not None and "cpu" not in impl.backends:
+            return "interpret"
+        return self.backend.name
 
     def runnable_here(self, impl: Implementation) -> str | None:
         """Why ``impl`` cannot run on this audit's device, or None. The ``cpu`` backend audits
@@ -145,11 +160,13 @@ class Audit:
             return
         try:
             for row in section.run(self):
-                self.record(row)
+                self.record(row, section)
         except Exception as exc:  # noqa: BLE001 -- reported as a failure, never swallowed
             text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            # the section's clause fails (the suite's own, for a section of several clauses)
             self.record(Row(section.name, "section stopped", FAIL, f"raised {text}",
-                            {"traceback": traceback.format_exc()}))
+                            {"traceback": traceback.format_exc()}, impl=SUITE,
+                            clause=section.clause or "suite-self-check"))
 
     @property
     def vacuous(self) -> bool:
@@ -164,9 +181,7 @@ class Audit:
         for given, impl in zip(self.options.impls, selected) if self.options.impls else ():
             specs[impl.name] = given if isinstance(given, str) else impl.name
         impls = {i.name: specs.get(i.name, i.name) for i in selected}
-        runs_on = {i.name: ("interpret" if self.backend.name == "cpu" and "cpu" not in i.backends
-                            else self.backend.name) for i in selected}
-        return audit_outcomes(self.rows, impls=impls, backend=self.backend.name, runs_on=runs_on)
+        return audit_outcomes(self.rows, impls=impls, backend=self.backend.name)
 
     def write(self) -> None:
         out = Path(self.options.out)

@@ -20,6 +20,34 @@ from pathlib import Path
 
 from magi_moe.arguments import OneLineParser
 
+# The fields a failure record may carry (fuzz.properties writes them); a misspelt one is refused
+# in one line instead of surfacing as a KeyError or TypeError deep inside the replay.
+RECORD_FIELDS = ("property", "impl", "router", "backend", "case", "params")
+
+
+def program_name(command: str = "fuzz") -> str:
+    """How this program was started, for its usage and error lines: ``magi-moe fuzz`` from the
+    console script, else ``python -m fuzz``."""
+    started = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return f"magi-moe {command}" if started == "magi-moe" else f"python -m {command}"
+
+
+def record_problem(record: dict) -> str | None:
+    """What is wrong with a record's fields (one line), or None."""
+    import difflib
+
+    unknown = [k for k in record if k not in RECORD_FIELDS]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], RECORD_FIELDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"RECORD has an unknown field {unknown[0]!r}{hint}; fields: {', '.join(RECORD_FIELDS)}"
+    missing = [k for k in ("property", "backend", "case") if k not in record]
+    if missing:
+        return f"RECORD must name its {missing[0]!r} (fields: {', '.join(RECORD_FIELDS)})"
+    if not isinstance(record["case"], dict) or not isinstance(record.get("params", {}), dict):
+        return "RECORD's 'case' and 'params' must be JSON objects"
+    return None
+
 
 def _load_record(text: str) -> dict:
     path = Path(text)
@@ -30,7 +58,7 @@ def _load_record(text: str) -> dict:
 
 
 def replay_main(argv: list[str]) -> int:
-    parser = OneLineParser(prog="python -m fuzz replay",
+    parser = OneLineParser(prog=f"{program_name()} replay",
                            description="Replay one recorded case exactly; exit 1 if it still fails.")
     parser.add_argument("record", help="the record JSON, or a failure file written by a campaign")
     args = parser.parse_args(argv)
@@ -40,11 +68,19 @@ def replay_main(argv: list[str]) -> int:
         parser.error(f"RECORD must be a record's JSON or a failure file, got {args.record[:80]!r} ({exc})")
     if not isinstance(record, dict):
         parser.error(f"RECORD must be a JSON object, got {type(record).__name__}")
+    problem = record_problem(record)
+    if problem:
+        parser.error(problem)
     if record.get("backend") == "interpret":
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    from .cases import case_from_dict
     from .fuzzers import replay
     from .record import REPLAY_UNAVAILABLE, DeviceFault, PropertyViolation
 
+    try:  # a case that does not parse is bad input, not a finding
+        case_from_dict(record["case"])
+    except (KeyError, TypeError, ValueError) as exc:
+        parser.error(f"RECORD's case does not describe a case: {type(exc).__name__}: {exc}".splitlines()[0])
     print(f"replaying {record.get('property')} on {record.get('impl') or record.get('router')}"
           f"@{record.get('backend')}", flush=True)
     try:
@@ -62,7 +98,7 @@ def replay_main(argv: list[str]) -> int:
 
 
 def list_main(argv: list[str]) -> int:
-    parser = OneLineParser(prog="python -m fuzz list",
+    parser = OneLineParser(prog=f"{program_name()} list",
                            description="The properties a campaign can run (--properties): "
                                        "the records of fuzz.fuzzers.PROPERTIES.")
     parser.parse_args(argv)

@@ -19,7 +19,18 @@ Around that run the runner
 * writes ``summary.json`` (budget, totals, cases and seconds per target, the targets that got
   no time, every failure with its one-line reproduction) and ``junit.xml`` (pytest's, with a
   failure added for any record pytest did not report); every failure record counts;
-* prints every reproduction command and exits 1 if anything failed, 2 if no case ran at all.
+* ends with the per-clause verdict (:mod:`magi_moe.verdict`: the console, ``verdict.md`` and
+  ``verdict.json``), each row's clause from the target's Property record (or the machine's mark);
+* prints every reproduction command and exits 1 if anything failed, 2 if no case ran at all or
+  no asked-for implementation got a case.
+
+The backend, when not given, is one that every asked-for implementation declares and that is
+usable here (a GPU, then plain PyTorch on the CPU, then the Triton interpreter); a ``--backend``
+an implementation does not declare, or one not usable here, is refused in one line. The targets
+are found, not listed: every ``tests/test_fuzz_*.py`` with a test marked
+:func:`fuzz.fuzzers.campaign_target` (the property records' test, each state machine). A
+directory ``--db`` holds one example database per implementation set (``<db>/<impls>``) unless
+``--shared-db``.
 
 ``--replay-only`` is the per-commit run: the database is opened read-only, every saved example
 and every failure record is replayed (records on this backend, whatever backend found them),
@@ -33,6 +44,7 @@ import difflib
 import json
 import os
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -46,6 +58,7 @@ from magi_moe.arguments import OneLineParser, finite_non_negative, finite_positi
 from magi_moe.cli import refuse_bad_impl
 
 from . import database as fuzz_db
+from .__main__ import program_name
 from .fuzzers import PROPERTIES
 from .huge import REPO_ROOT, child_env
 from .record import REPLAY_UNAVAILABLE
@@ -56,11 +69,31 @@ __all__ = ["DEFAULT_TESTS", "build_pytest_command", "campaign_main", "rerun_main
 # The fuzz tests beside this package (the checkout's tests/, or magi_moe/tests/ when installed),
 # relative to REPO_ROOT, where the campaign's pytest runs.
 _TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
-DEFAULT_TESTS = tuple(str((_TESTS_DIR / name).relative_to(REPO_ROOT)) for name in (
-    "test_fuzz_properties.py", "test_fuzz_stateful.py"))
+# A campaign target is a test decorated with fuzzers.campaign_target; the property records' test
+# passes by_param=, every other marked test (a state machine) is a target named after itself.
+_TARGET_MARK = re.compile(r"^@(?:fuzzers\.)?campaign_target\b(?P<args>\(.*\))?", re.M)
+_TARGET_DEF = re.compile(r"^@(?:fuzzers\.)?campaign_target\s*\n(?:@.*\n)*def test_(?P<name>\w+)", re.M)
+
+
+def campaign_test_files(tests_dir: Path = _TESTS_DIR) -> tuple[str, ...]:
+    """Every ``test_fuzz_*.py`` beside this package that marks a campaign target (relative to
+    REPO_ROOT): a new machine's test file is picked up by its mark, not by a list here."""
+    return tuple(os.path.relpath(path, REPO_ROOT) for path in sorted(tests_dir.glob("test_fuzz_*.py"))
+                 if _TARGET_MARK.search(path.read_text()))
+
+
+def machine_names(tests_dir: Path = _TESTS_DIR) -> tuple[str, ...]:
+    """The ``--properties`` names that are marked tests, not Property records (state machines)."""
+    names = []
+    for file in campaign_test_files(tests_dir):
+        names += [m["name"] for m in _TARGET_DEF.finditer((REPO_ROOT / file).resolve().read_text())]
+    return tuple(n for n in dict.fromkeys(names) if n not in PROPERTIES)
+
+
+DEFAULT_TESTS = campaign_test_files()
+STATE_MACHINES = machine_names()  # --properties names that are not fuzz.fuzzers.PROPERTIES
 PROFILES = ("nightly", "dev", "ci")
-BACKEND_NAMES = ("cpu", "interpret", "cuda")  # magi_moe.backends.BACKENDS, without importing torch
-STATE_MACHINES = ("weight_swaps",)  # --properties names that are not fuzz.fuzzers.PROPERTIES
+BACKEND_NAMES = ("cpu", "interpret", "cuda")  # magi_moe.backends.BACKENDS
 OTHER_COMMANDS = """other commands (each takes --help):
   python -m fuzz replay RECORD|FILE                  replay one recorded case exactly; exit 1 if it still fails
   python -m fuzz rerun NODEID --db DIR --backend B   replay a failing test node from a campaign's database
@@ -69,10 +102,13 @@ OTHER_COMMANDS = """other commands (each takes --help):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m fuzz", description=__doc__.split("\n\n")[0],
-                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=OTHER_COMMANDS)
+    prog = program_name()
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0],
+                      formatter_class=argparse.RawDescriptionHelpFormatter,
+                      epilog=OTHER_COMMANDS.replace("python -m fuzz", prog))
     p.add_argument("--backend", default=None, choices=BACKEND_NAMES,
-                   help="cpu, interpret or cuda (default: the best available)")
+                   help="cpu, interpret or cuda (default: one every --impl declares and usable "
+                        "here: cuda on a GPU, else cpu, else interpret)")
     p.add_argument("--impl", action="append", default=[],
                    help="implementation under test (name or package.module:attr); repeatable; default: all")
     p.add_argument("--budget-seconds", type=finite_positive, default=600.0, help="time budget (default 600)")
@@ -81,7 +117,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="campaign seed (default: random, printed)")
     p.add_argument("--db", default=FUZZ_DATABASE,
                    help="example database (default: $FUZZ_DB, else .hypothesis/fuzz-db): a directory (one machine) or redis://host:port/N (shared by "
-                        "every machine; paired with --db-local)")
+                        "every machine; paired with --db-local); a directory holds one database per "
+                        "implementation set, <db>/<impls>, unless --shared-db")
+    p.add_argument("--shared-db", action="store_true",
+                   help="use a directory --db as it is, shared by every implementation's campaigns")
     p.add_argument("--db-local", default=None,
                    help=f"local directory paired with a Redis --db (default {fuzz_db.DEFAULT_LOCAL_DIR})")
     p.add_argument("--replay-only", action="store_true",
@@ -92,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1, help="pytest-xdist workers (one per core or GPU)")
     p.add_argument("--properties", action="append", default=[],
                    help=f"comma-separated properties (default: all): {', '.join(PROPERTIES)} (python -m fuzz "
-                        "list describes them), and weight_swaps (the weight-swap state machine)")
+                        f"list describes them), and the state machines: {', '.join(STATE_MACHINES)}")
     p.add_argument("--round-examples", type=int, default=25, help="examples per round of one test")
     p.add_argument("--first-round-examples", type=int, default=1,
                    help="examples of every target's first round, whatever the budget and the "
@@ -109,10 +148,47 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _backend(name: str | None) -> str:
-    if name is None:
-        return "cuda" if _cuda_count() > 0 else "interpret"
-    return name
+def _unusable(backend: str, impls: list) -> str | None:
+    """Why ``backend`` cannot run here (one phrase), or None."""
+    from magi_moe.backends import triton_installed
+
+    if backend == "cuda" and _cuda_count() == 0:
+        return "no CUDA GPU here"
+    plain_on_gpu = backend == "cuda" and impls and all(i.plain_pytorch for i in impls)
+    if backend != "cpu" and not plain_on_gpu and not triton_installed():
+        return "triton is not installed (the [triton] extra)"
+    return None
+
+
+def choose_backend(requested: str | None, impl_names: list[str]) -> tuple[str | None, str | None]:
+    """``(backend, None)``, or ``(None, why)`` in one line: the asked-for backend when every
+    --impl declares it and it is usable here, else the first of cuda, cpu, interpret that is."""
+    from magi_moe.registry import get_implementation
+
+    impls = [get_implementation(name) for name in impl_names]
+    if requested is not None:
+        for impl in impls:
+            if requested not in impl.backends:
+                return None, (f"--backend {requested}: {impl.name} does not declare it (it declares "
+                              f"{', '.join(impl.backends)})")
+        why = _unusable(requested, impls)
+        return (None, f"--backend {requested} is not usable here: {why}") if why else (requested, None)
+    order = ("cuda", "cpu", "interpret") if impls else ("cuda", "interpret", "cpu")
+    for backend in order:
+        if all(backend in impl.backends for impl in impls) and _unusable(backend, impls) is None:
+            return backend, None
+    declared = "; ".join(f"{impl.name} declares {', '.join(impl.backends)}" for impl in impls)
+    return None, (f"--impl: no backend every implementation declares is usable here ({declared}; "
+                  f"cuda needs a GPU, interpret the [triton] extra)")
+
+
+def database_for(args) -> str:
+    """The directory database of this campaign's implementations (``<db>/<impls>``): records and
+    examples of one implementation never open another's campaign. Redis and --shared-db: as given."""
+    if fuzz_db.is_url(args.db) or args.shared_db or Path(args.db).is_file():  # a file: refused as given
+        return args.db
+    names = sorted(args.impl) or ["all-declared"]
+    return str(Path(args.db) / re.sub(r"[^A-Za-z0-9_.-]+", "_", "+".join(names))[:120])
 
 
 def refused_arguments(args) -> str | None:
@@ -135,6 +211,12 @@ def refused_arguments(args) -> str | None:
         why = refuse_bad_impl(name)
         if why:
             return why
+    from .child import default_memory_cap
+
+    try:  # read by every child: refused here, before any case could blame an implementation
+        default_memory_cap()
+    except ValueError as exc:
+        return str(exc)
     return None
 
 
@@ -246,8 +328,8 @@ def _wait_for_pytest(proc, out: Path, start: float, budget: float, hard_limit: f
         if time.time() > hard_limit:
             print(f"[fuzz] past the hard limit ({hard_limit - start:.0f} s): stopping pytest", flush=True)
             os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
+            try:  # briefly: the budget and its grace are spent
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
             break
@@ -338,17 +420,23 @@ def _finding_matches(finding: dict, *, backend: str, impls: list[str], props: se
 
 
 def _replay_findings(findings: list[dict], *, backend: str, out: Path, timeout: float,
-                     swap_backend: bool) -> dict:
+                     swap_backend: bool, until: float | None = None) -> dict:
     """Replay the database's failure records before anything else, each in a child process (a
     crash stays a crash). ``swap_backend``: run each on this backend whatever backend found it
-    (the per-commit run). Still failing: a failure record here. Returns what happened to each."""
+    (the per-commit run). Still failing: a failure record here. ``until``: no replay starts after
+    it, and none runs past it (the budget; those left are kept for the next campaign). Returns
+    what happened to each."""
     from .record import save_record
-    done = {"failing": [], "fixed": [], "unavailable": []}
+    done = {"failing": [], "fixed": [], "unavailable": [], "no_time": []}
     for finding in findings:
         record = dict(finding["record"])
         if swap_backend:
             record["backend"] = backend
-        outcome, text = _replay_child(record, backend, timeout)
+        left = timeout if until is None else min(timeout, until - time.time())
+        if left < 1.0:
+            done["no_time"].append(finding)
+            continue
+        outcome, text = _replay_child(record, backend, left)
         who = f"{record.get('property')} on {record.get('impl') or record.get('router')}@{record.get('backend')}"
         print(f"[fuzz] replayed from the database: {who}: {outcome} ({text})", flush=True)
         if outcome == "pass":
@@ -475,7 +563,10 @@ def _summary(args, *, backend: str, seed: int, start: float, returncode: int, ou
     failures = []
     for path in sorted((out / "failures").glob("*.json")):
         data = json.loads(path.read_text())
-        failures.append({"kind": data.get("kind"), "property": data.get("record", {}).get("property"),
+        record = data.get("record", {})
+        failures.append({"kind": data.get("kind"), "property": record.get("property"),
+                         **{k: record[k] for k in ("impl", "router", "backend") if record.get(k)},
+                         **({"cause": data["cause"]} if data.get("cause") else {}),
                          "nodeid": data.get("nodeid") or record_nodeid(data.get("record", {})),
                          "message": data.get("message"), "repro": data.get("repro"),
                          "source": data.get("source", "campaign"), "file": str(path)})
@@ -484,18 +575,25 @@ def _summary(args, *, backend: str, seed: int, start: float, returncode: int, ou
         data = _read_json(path, None)
         if data:
             stats[data["nodeid"]] = data
-    targets = _read_json(out / "targets.json", {}).get("targets", list(stats))
+    skips = {d["nodeid"]: d for d in (_read_json(p, None) for p in sorted((out / "skips").glob("*.json"))) if d}
+    listed = _read_json(out / "targets.json", {})
+    targets = listed.get("targets", list(stats))
+    for nodeid, info in listed.get("rows", {}).items():  # a target that never ran has no stats
+        stats[nodeid] = {**info, **stats.get(nodeid, {})}
     tests = _junit_tests(out / "junit.xml")
     outcome = {t["test"]: t for t in tests}
     per_target = []
     for nodeid in targets:
         s = stats.get(nodeid, {})
         test = outcome.get(nodeid, {})
+        if not test and nodeid in skips:  # skipped, then pytest was stopped before junit.xml
+            test = {"outcome": "skipped", "reason": skips[nodeid]["reason"]}
         per_target.append({"target": nodeid, "property": s.get("property"), "impl": s.get("impl"),
                            "outcome": test.get("outcome", "not run"), "rounds": s.get("rounds", 0),
                            "cases": s.get("cases", 0), "seconds": s.get("seconds", 0.0), "worker": s.get("worker"),
                            "first_failure_case": s.get("first_failure_case"),
-                           **({"reason": test["reason"]} if test.get("reason") else {})})
+                           **({"reason": test["reason"]} if test.get("reason") else {}),
+                           **({"skip_kind": skips[nodeid]["kind"]} if nodeid in skips else {})})
     failed_tests = sum(t["outcome"] in ("failed", "error") for t in tests)
     # A target the test itself skips (not applicable here: an implementation without the
     # capability) is not starved; one that ran no round for any other reason is.
@@ -542,11 +640,12 @@ def _next_rotation(order: dict, out: Path, per_target: list[dict]) -> int:
 def _clean_outputs(out: Path) -> None:
     """This run's results only (the database keeps the history): a stale junit.xml or summary
     from an earlier run must never stand in for this one's."""
-    for sub in ("failures", "stats", "inflight"):
+    for sub in ("failures", "stats", "inflight", "skips"):
         (out / sub).mkdir(parents=True, exist_ok=True)
         for old in (out / sub).glob("*"):
             old.unlink()
-    for name in ("junit.xml", "summary.json", "targets.json", "order.json", "pytest.log"):
+    for name in ("junit.xml", "summary.json", "targets.json", "order.json", "pytest.log",
+                 "verdict.md", "verdict.json"):
         (out / name).unlink(missing_ok=True)
 
 
@@ -554,10 +653,13 @@ def campaign_main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     why = refused_arguments(args)
     if why:
-        return refuse("python -m fuzz", why)
-    backend = _backend(args.backend)
+        return refuse(program_name(), why)
+    backend, why = choose_backend(args.backend, args.impl)
+    if why:
+        return refuse(program_name(), why)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     out = Path(args.out).resolve()
+    args.db = database_for(args)
     if not fuzz_db.is_url(args.db):
         args.db = str(Path(args.db).resolve())
     elif args.db_local:
@@ -589,7 +691,8 @@ def campaign_main(argv: list[str]) -> int:
           f"database, {len(mine)} for this run; rotation {rotation}", flush=True)
     replay_timeout = max(30.0, min(args.case_timeout, 300.0))
     replayed = _replay_findings(mine, backend=backend, out=out, timeout=replay_timeout,
-                                swap_backend=args.replay_only)
+                                swap_backend=args.replay_only,
+                                until=None if args.replay_only else start + args.budget_seconds)
     if not args.replay_only:
         for finding in replayed["fixed"]:
             fuzz_db.delete_finding(db, finding)
@@ -604,9 +707,10 @@ def campaign_main(argv: list[str]) -> int:
     code = _run_pytest(cmd, env=child_env(backend), out=out, start=start, budget=args.budget_seconds,
                        hard_limit=hard_limit)
     stopped = time.time() > hard_limit
-    written = _collect_crashes(out, backend, not args.no_confirm and not stopped,
-                               timeout=max(30.0, min(args.case_timeout, hard_limit - time.time())),
-                               stopped=stopped)
+    # confirming a crash's signal replays it: only within the grace that is left
+    confirm_time = min(args.case_timeout, hard_limit - time.time())
+    written = _collect_crashes(out, backend, not args.no_confirm and not stopped and confirm_time >= 5.0,
+                               timeout=max(5.0, confirm_time), stopped=stopped)
     if not args.replay_only:
         for path in written:  # the next campaign, on any machine, replays these first
             fuzz_db.save_finding(db, json.loads(path.read_text()))
@@ -642,10 +746,12 @@ def campaign_main(argv: list[str]) -> int:
     if stopped:
         print("[fuzz] note: pytest was stopped at the hard limit; junit.xml and the summary count the "
               "failures found up to then")
+    _write_verdict(out, summary, title=f"magi-moe fuzz verdict ({backend})")
     if summary["failures"] or t["failed"]:
         return 1
-    if t["cases"] == 0 and not args.replay_only:
-        print("[fuzz] error: no case ran (budget too small for this machine, or nothing selected)")
+    idle = [] if args.replay_only else _impls_without_cases(args.impl, summary)
+    if not args.replay_only and (t["cases"] == 0 or idle):
+        print(f"[fuzz] error: {_nothing_tested(summary, idle, backend)}")
         return 2
     if not args.replay_only and not args.impl and not args.allow_no_kernels and not _kernels_fuzzed(summary):
         print("[fuzz] error: no implementation under test ran a case, only the float64 oracle and the "
@@ -657,6 +763,47 @@ def campaign_main(argv: list[str]) -> int:
               f"{summary['replayed_from_database']['fixed']} failure records that pass now")
         return 0 if code in (0, 5) or stopped else 1
     return 0 if stopped or code in (0, 5) else 1
+
+
+def _write_verdict(out: Path, summary: dict, *, title: str) -> None:
+    """The per-clause verdict of the campaign, printed and written as verdict.md / verdict.json."""
+    from .campaign_verdict import campaign_outcomes, write_verdict
+
+    stats = dict(_read_json(out / "targets.json", {}).get("rows", {}))
+    for path in (out / "stats").glob("*.json"):
+        data = _read_json(path, None)
+        if data:
+            stats[data["nodeid"]] = data
+    outcomes = campaign_outcomes(summary, stats)
+    lines = write_verdict(out, outcomes, title=title)
+    print("[fuzz] verdict (one row per contract clause):")
+    for line in lines:
+        print(f"  {line}")
+    print(f"[fuzz] wrote {out / 'verdict.md'} and {out / 'verdict.json'}")
+
+
+def _impls_without_cases(asked: list[str], summary: dict) -> list[str]:
+    """The asked-for implementations (--impl) none of whose targets ran a case."""
+    from magi_moe.registry import get_implementation
+
+    ran = {row.get("impl") for row in summary["targets"] if row["cases"] > 0}
+    return [name for name in asked if get_implementation(name).name not in ran]
+
+
+def _nothing_tested(summary: dict, idle: list[str], backend: str) -> str:
+    """The one line saying that nothing (of an asked-for implementation) was tested, and why."""
+    from magi_moe.registry import get_implementation
+
+    names = {get_implementation(n).name for n in idle}
+    rows = [r for r in summary["targets"] if not idle or r.get("impl") in names]
+    if rows and all(r["outcome"] == "skipped" for r in rows):
+        why = "every target was skipped here (the verdict's rows say why)"
+    elif not rows:
+        why = "no target was selected (--properties, --impl)"
+    else:
+        why = "its targets got no time (budget too small for this machine)"
+    who = f"for {', '.join(idle)} " if idle else ""
+    return f"no case ran {who}on {backend}: {why}; nothing was tested"
 
 
 def _kernels_fuzzed(summary: dict) -> bool:
@@ -692,7 +839,7 @@ def resolve_nodeid(nodeid: str) -> str | None:
 
 
 def rerun_main(argv: list[str]) -> int:
-    p = OneLineParser(prog="python -m fuzz rerun",
+    p = OneLineParser(prog=f"{program_name()} rerun",
                       description="Replay a failing fuzz test from a campaign's example database.")
     p.add_argument("nodeid", help="the failing test node, as the campaign printed it")
     p.add_argument("--db", required=True, help="the campaign's example database directory")

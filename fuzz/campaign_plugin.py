@@ -19,8 +19,14 @@ It turns the ordinary fuzz tests into time-boxed campaign items:
   on (``<out>/inflight``) so a case that kills its worker, or a failure found while the run was
   stopped mid-shrink, is still known; a watchdog ends a worker whose case runs past
   ``--fuzz-case-timeout``;
+* stops a shrink when the target's share of the budget is spent (the failure is reported with
+  the example shrunk so far), so a failing target neither overruns the budget nor starves the
+  targets after it;
+* on a GPU, runs a device-health probe after every case (:func:`fuzz.record.cuda_health_probe`),
+  so a case that breaks the CUDA context is named, not the case after it;
 * writes per-item statistics to ``<out>/stats`` (rounds, cases, seconds, the case at which the
-  first failure showed) and the ordered target list to ``<out>/targets.json``.
+  first failure showed, the contract clause and the subject of the verdict row) and the
+  ordered target list to ``<out>/targets.json``.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ from pathlib import Path
 import pytest
 
 from . import record as rec
-from .hypothesis_internals import given_settings, seed_run_stream, set_given_settings
+from .hypothesis_internals import given_settings, seed_run_stream, set_given_settings, set_shrink_deadline
 
 TIMEOUT_EXIT = 76
 
@@ -137,10 +143,31 @@ def pytest_configure(config):
     if config.getoption("--fuzz-size-budget"):  # read by the test modules when they are imported
         profiles.SIZE_BUDGETS["campaign"] = config.getoption("--fuzz-size-budget")
     rec.configure_flight_recorder(out / "inflight", exit_on_device_fault=True)
+    if config.getoption("--fuzz-device") == "cuda":
+        rec.set_health_probe(rec.cuda_health_probe)
     gpus = config.getoption("--fuzz-gpus")
     if gpus > 0 and hasattr(config, "workerinput"):  # one GPU per worker, before CUDA starts
         os.environ["CUDA_VISIBLE_DEVICES"] = str(_worker_index(config) % gpus)
+    _count_machine_runs()
     _start_watchdog(config.getoption("--fuzz-case-timeout"))
+
+
+def _count_machine_runs() -> None:
+    """A state machine's steps run no :func:`fuzz.record.in_flight` case of their own: each run
+    of a machine (a fresh instance, whatever the machine) counts as one case, so a machine
+    target's cases are not reported as 0."""
+    from hypothesis.stateful import RuleBasedStateMachine
+
+    original = RuleBasedStateMachine.__init__
+    if getattr(original, "fuzz_counted", False):
+        return
+
+    def counted(self, *args, **kwargs):
+        rec.count_case()
+        original(self, *args, **kwargs)
+
+    counted.fuzz_counted = True
+    RuleBasedStateMachine.__init__ = counted
 
 
 def _start_watchdog(timeout: float) -> None:
@@ -181,6 +208,25 @@ def _impl_of(item) -> str | None:
     return pair.impl.name if pair is not None else None
 
 
+def _clause_of(item) -> str:
+    """The contract clause a target's verdict row counts under: its ``clause`` mark (a property
+    row carries its record's clause, a state machine its own), else ``other``."""
+    mark = item.get_closest_marker("clause")
+    return str(mark.args[0]) if mark is not None and mark.args else "other"
+
+
+def _subject_of(item, config) -> str:
+    """The verdict row's subject: ``impl@backend``, or ``router NAME@backend`` for a router."""
+    from .properties import RouterTarget
+
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    router = next((v for v in params.values() if isinstance(v, RouterTarget)), None)
+    if router is not None:
+        return f"router {router}"
+    backend = (config.getoption("--backend") or ["?"])[0]
+    return f"{_impl_of(item) or '?'}@{backend}"
+
+
 def pytest_collection_modifyitems(config, items):
     if not _active(config):
         return
@@ -198,8 +244,12 @@ def pytest_collection_modifyitems(config, items):
         config.hook.pytest_deselected(items=drop)
     items[:] = order_items(keep, _read_order(config.getoption("--fuzz-order")))
     config._fuzz_item_count = len(items)
+    # what the verdict needs of every target, whether or not it gets to run
+    rows = {item.nodeid: {"property": _property_of(item), "impl": _impl_of(item), "clause": _clause_of(item),
+                          "subject": _subject_of(item, config)} for item in items}
     _write_json(Path(config.getoption("--fuzz-out")) / "targets.json",
-                {"targets": [item.nodeid for item in items], "collected": [item.nodeid for item in keep]})
+                {"targets": [item.nodeid for item in items], "collected": [item.nodeid for item in keep],
+                 "rows": rows})
 
 
 def _read_order(path: str | None) -> dict:
@@ -247,7 +297,8 @@ def _seed_rounds(seed: int) -> None:
 
 def _write_stats(out: Path, item, **stats) -> None:
     _write_json(out / "stats" / f"{_slug(item.nodeid)}.json",
-                {"nodeid": item.nodeid, "property": _property_of(item), "impl": _impl_of(item), **stats})
+                {"nodeid": item.nodeid, "property": _property_of(item), "impl": _impl_of(item),
+                 "clause": _clause_of(item), "subject": _subject_of(item, item.config), **stats})
 
 
 @contextlib.contextmanager
@@ -320,6 +371,8 @@ def pytest_pyfunc_call(pyfuncitem):
     _seed_rounds(_round_seed(config.getoption("--fuzz-seed"), pyfuncitem.nodeid, 0))
     while True:
         t0 = time.time()
+        # a failure found in this round shrinks until the target's share ends, then is reported
+        set_shrink_deadline(item_end)
         try:
             with _round_examples(pyfuncitem, None if single else examples):
                 fn(**kwargs)
@@ -359,11 +412,18 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     config = item.config
+    if _active(config) and report.skipped and _property_of(item) is not None:
+        _record_skip(config, item, call)
     if not _active(config) or report.when != "call" or not report.failed or call.excinfo is None:
         return
     out = Path(config.getoption("--fuzz-out")) / "failures"
     extra = {"nodeid": item.nodeid, "worker": getattr(config, "workerinput", {}).get("workerid", "main")}
     found = list(_violations(call.excinfo.value))
+    from magi_moe.verdict import cause_of
+
+    cause = cause_of(call.excinfo.value)  # e.g. inaccurate: counted under accuracy in the verdict
+    if cause:
+        extra["cause"] = cause
     saved = []
     for exc in found:
         kind = "device-fault" if isinstance(exc, rec.DeviceFault) else "violation"
@@ -379,6 +439,15 @@ def pytest_runtest_makereport(item, call):
         from .database import save_finding
         for path in saved:  # other machines and the next commit replay these
             save_finding(db, json.loads(path.read_text()))
+
+
+def _record_skip(config, item, call) -> None:
+    """A target's skip and its kind for the verdict (junit.xml keeps only the text)."""
+    from magi_moe.verdict import skip_kind
+
+    reason = getattr(call.excinfo.value, "msg", None) if call.excinfo is not None else None
+    _write_json(Path(config.getoption("--fuzz-out")) / "skips" / f"{_slug(item.nodeid)}.json",
+                {"nodeid": item.nodeid, "reason": str(reason or ""), "kind": skip_kind(reason)})
 
 
 def rerun_command(config, nodeid: str) -> str:

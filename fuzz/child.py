@@ -21,6 +21,7 @@ which an address-space limit would refuse. Without ``/proc`` (not Linux) no cap 
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -69,8 +70,8 @@ def default_memory_cap() -> int | None:
             gib = float(given)
         except ValueError:
             gib = -1.0
-        if not gib > 0:
-            raise ValueError(f"{CHILD_MEMORY_ENV} must be a number of GiB > 0, got {given!r}")
+        if not (gib > 0 and math.isfinite(gib)):  # inf would overflow int() below
+            raise ValueError(f"{CHILD_MEMORY_ENV} must be a finite number of GiB > 0, got {given!r}")
         return int(gib * GIB)
     available = _meminfo_bytes("MemAvailable")
     return None if available is None else int(available * DEFAULT_SHARE)

@@ -62,6 +62,37 @@ def seed_run_stream(seed: int) -> bool:
     return True
 
 
+class _ShrinkUntil(float):
+    """Hypothesis ends a shrink at ``perf_counter() + MAX_SHRINKING_SECONDS``, taken when the
+    shrink starts. As that number, this float makes the sum a fixed moment instead (the right
+    operand's reflected addition runs first for a float subclass), at least ``least`` seconds
+    after the shrink starts."""
+
+    def __new__(cls, until: float, least: float):
+        self = super().__new__(cls, least)
+        self.until, self.least = until, least
+        return self
+
+    def __radd__(self, started: float) -> float:
+        return max(started + self.least, self.until)
+
+
+def set_shrink_deadline(deadline: float, *, least: float = 1.0) -> bool:
+    """Stop any shrink that starts from now on at ``deadline`` (epoch seconds, as
+    ``time.time()``), or ``least`` seconds after it starts if that is later (Hypothesis's own
+    limit is five minutes); the failure is then reported with the example shrunk so far.
+    False where this Hypothesis has no such limit."""
+    import time
+
+    from hypothesis.internal.conjecture import engine
+
+    if not hasattr(engine, "MAX_SHRINKING_SECONDS"):
+        return False
+    until = time.perf_counter() + (float(deadline) - time.time())
+    engine.MAX_SHRINKING_SECONDS = _ShrinkUntil(until, max(0.0, float(least)))
+    return True
+
+
 def missing() -> list[str]:
     """What of the above the installed Hypothesis lacks (empty where all is there)."""
     from hypothesis import core, given, strategies as st
@@ -80,4 +111,8 @@ def missing() -> list[str]:
         getattr(local, _GLOBAL_RANDOM)
     except AttributeError:
         lacks.append(f"hypothesis.core.threadlocal.{_GLOBAL_RANDOM}")
+    from hypothesis.internal.conjecture import engine
+
+    if not hasattr(engine, "MAX_SHRINKING_SECONDS"):
+        lacks.append("hypothesis.internal.conjecture.engine.MAX_SHRINKING_SECONDS")
     return lacks

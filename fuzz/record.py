@@ -17,6 +17,11 @@ Hypothesis was still shrinking it, or a worker that died meanwhile, still yields
 found failure is never lost to a stop). A CUDA error poisons the process's context, so
 in a campaign the worker marks the record as a device fault and exits at once; pytest-xdist then
 starts a fresh worker and the campaign goes on.
+
+A CUDA error is asynchronous: a case that corrupts the context can return cleanly and let the
+*next* case raise. With a device-health probe set (:func:`set_health_probe`; a GPU campaign sets
+:func:`cuda_health_probe`, a tiny known kernel and a synchronize), the probe runs after every
+case, and a probe that fails makes that case, the one that just ran, the device fault.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from hypothesis.errors import HypothesisException
 
@@ -35,8 +41,8 @@ from .cases import dumps
 
 __all__ = [
     "DEVICE_FAULT_EXIT", "FUZZ_COMMAND", "REPLAY_UNAVAILABLE", "DeviceFault", "PropertyViolation", "configure_flight_recorder",
-    "cases_started", "clear_found", "found_path", "in_flight", "is_device_fault", "repro_command",
-    "save_failure", "save_record", "set_current_item",
+    "cases_started", "count_case", "clear_found", "found_path", "in_flight", "is_device_fault", "repro_command",
+    "cuda_health_probe", "save_failure", "save_record", "set_current_item", "set_health_probe",
 ]
 
 DEVICE_FAULT_EXIT = 75  # worker exit status after a device fault (EX_TEMPFAIL)
@@ -48,6 +54,27 @@ _flight_dir: Path | None = None
 _exit_on_device_fault = False
 _cases_started = 0
 _current_nodeid: str | None = None  # the test item running, named in flight records
+_health_probe: Callable[[], None] | None = None  # run after every case (a GPU campaign's)
+
+
+def set_health_probe(probe: Callable[[], None] | None) -> None:
+    """Run ``probe`` after every case (None: no probe). It raises when the device is unhealthy;
+    the case that just ran is then reported as the device fault."""
+    global _health_probe
+    if probe is not None and not callable(probe):
+        raise TypeError(f"probe must be callable or None, got {type(probe).__name__}")
+    _health_probe = probe
+
+
+def cuda_health_probe() -> None:
+    """A tiny kernel with a known answer and a synchronize: raises if the CUDA context is broken
+    (a pending asynchronous error surfaces here) or computes wrong."""
+    import torch
+
+    got = float(torch.arange(8, device="cuda", dtype=torch.float32).mul(2).sum().item())
+    torch.cuda.synchronize()
+    if got != 56.0:
+        raise RuntimeError(f"CUDA error: the health probe's known kernel gave {got}, expected 56.0")
 
 
 def set_current_item(nodeid: str | None) -> None:
@@ -55,6 +82,12 @@ def set_current_item(nodeid: str | None) -> None:
     record left by a dead worker is attributed to its test."""
     global _current_nodeid
     _current_nodeid = nodeid
+
+
+def count_case() -> None:
+    """Count a case that runs outside :func:`in_flight` (a state machine's run)."""
+    global _cases_started
+    _cases_started += 1
 
 
 def cases_started() -> int:
@@ -170,6 +203,31 @@ def _note_found(record: dict, kind: str, message: str) -> None:
                        "nodeid": _current_nodeid})
 
 
+def _device_fault(record: dict, path: Path | None, message: str) -> DeviceFault:
+    """The device fault of ``record``'s case: in a campaign worker, the flight record says so and
+    the worker exits at once (its context is poisoned); else the exception to raise."""
+    _note_found(record, "device-fault", message)
+    if path is not None and _exit_on_device_fault:
+        _write_json(path, {"record": record, "pid": os.getpid(), "started": time.time(),
+                           "status": "device-fault", "message": message,
+                           "repro": repro_command(record), "nodeid": _current_nodeid})
+        sys.stderr.write(f"fuzz: device fault, worker exits: {message}\n")
+        sys.stderr.flush()
+        os._exit(DEVICE_FAULT_EXIT)
+    return DeviceFault(message, record)
+
+
+def _check_health(record: dict, path: Path | None) -> None:
+    """Run the health probe after ``record``'s case; a failing probe is that case's device fault."""
+    if _health_probe is None:
+        return
+    try:
+        _health_probe()
+    except Exception as exc:
+        raise _device_fault(record, path, f"device unhealthy after this case (health probe: "
+                                          f"{type(exc).__name__}: {exc})") from exc
+
+
 @contextlib.contextmanager
 def in_flight(record: dict):
     """Run one case under ``record``: any exception that is not a property violation or a
@@ -185,23 +243,20 @@ def in_flight(record: dict):
     try:
         yield
     except PropertyViolation as exc:
+        _check_health(record, path)  # a broken device outranks the wrong values it gave
         _note_found(exc.record, "violation", exc.reason)
         raise
     except HypothesisException:
+        _check_health(record, path)
         raise
     except Exception as exc:
         if is_device_fault(exc):
-            _note_found(record, "device-fault", f"{type(exc).__name__}: {exc}")
-            if path is not None and _exit_on_device_fault:
-                _write_json(path, {"record": record, "pid": os.getpid(), "started": time.time(),
-                                   "status": "device-fault", "message": f"{type(exc).__name__}: {exc}",
-                                   "repro": repro_command(record), "nodeid": _current_nodeid})
-                sys.stderr.write(f"fuzz: device fault, worker exits: {exc}\n")
-                sys.stderr.flush()
-                os._exit(DEVICE_FAULT_EXIT)
-            raise DeviceFault(f"{type(exc).__name__}: {exc}", record) from exc
+            raise _device_fault(record, path, f"{type(exc).__name__}: {exc}") from exc
+        _check_health(record, path)
         _note_found(record, "violation", f"raised {type(exc).__name__}: {exc}")
         raise PropertyViolation(f"raised {type(exc).__name__}: {exc}", record) from exc
+    else:
+        _check_health(record, path)
     finally:  # the case finished (passed or failed) and the process lives: nothing in flight
         if path is not None:
             with contextlib.suppress(FileNotFoundError):

@@ -59,7 +59,8 @@ from magi_moe.weights import ExpertWeights
 from .tolerance import CAMPAIGN_FAILURE_PROBABILITY
 
 __all__ = ["AUDIT_ROUTES", "CHANGES", "EXPERT_PARAMS", "NEEDS_INVALIDATE", "ROUTER_TENSORS",
-           "LayerFactory", "WeightSwapMachine", "layer_factory_for", "weight_swap_machine"]
+           "LayerFactory", "WeightSwapMachine", "judge_on_state", "layer_factory_for",
+           "weight_swap_machine"]
 
 # The change routes of CONTRACT section 5, by the names the machine's rules use.
 CHANGES = (
@@ -131,6 +132,24 @@ def _as_factory(layer) -> LayerFactory:
         return layer
     raise TypeError("layer must be an Implementation, its name, or a callable "
                     f"make_layer(config, state_dict, device), got {type(layer).__name__}")
+
+
+def judge_on_state(y: torch.Tensor, x: torch.Tensor, state: Mapping[str, torch.Tensor],
+                   config: MoEConfig, precision, *, rows: torch.Tensor | None = None):
+    """The one accuracy judge on a layer's output ``y`` for ``x``, against the float64 reference
+    on the weights of ``state`` (released names: the layer's *current* ``state_dict()``), same
+    routes. ``rows``: a boolean mask of the rows judged (the others' own input is not finite, so
+    they have no reference); all rows when None. Raises AssertionError when the layer changed
+    one router bias without the other."""
+    bias, ema = state["router.expert_bias"].float(), state["router.expert_bias_ema"].float()
+    assert torch.equal(bias, ema), "the layer changed one router bias without the other"
+    if rows is not None:
+        x, y = x[rows], y[rows]
+    gate = state["gate"].detach().float()
+    routes = route(x, gate, ema, config)
+    current = ExpertWeights(*(state[n].detach().to(config.dtype) for n in EXPERT_PARAMS))
+    problem = Problem(config, x, gate, ema, current, routes, build_route_table(routes, config))
+    return judge(y, problem, precision, failure_probability=CAMPAIGN_FAILURE_PROBABILITY)
 
 
 class WeightSwapMachine(RuleBasedStateMachine):
@@ -363,18 +382,17 @@ class WeightSwapMachine(RuleBasedStateMachine):
         x = torch.randn(tokens, config.hidden_size, generator=gen).to(device=device, dtype=config.dtype)
         with torch.no_grad():
             y = self.layer(x)
+        self._check_output(x, y, f"forward({tokens} tokens)")
+
+    def _check_output(self, x: torch.Tensor, y: torch.Tensor, what: str,
+                      rows: torch.Tensor | None = None) -> None:
+        """Judge the layer's ``y`` for ``x`` on its current weights (only ``rows``, a boolean
+        mask, where given) and the pack counts since the previous forward."""
         packs = self._packs()
-        state = self.layer.state_dict()
-        bias, ema = state["router.expert_bias"].float(), state["router.expert_bias_ema"].float()
-        assert torch.equal(bias, ema), "the layer changed one router bias without the other"
-        gate = state["gate"].detach().float()
-        routes = route(x, gate, ema, config)
-        current = ExpertWeights(*(state[n].detach().to(config.dtype) for n in EXPERT_PARAMS))
-        problem = Problem(config, x, gate, ema, current, routes, build_route_table(routes, config))
-        verdict = judge(y, problem, self.precision, failure_probability=CAMPAIGN_FAILURE_PROBABILITY)
+        verdict = judge_on_state(y, x, self.layer.state_dict(), self.config, self.precision, rows=rows)
         since = ", ".join(self.changed) or "nothing"
-        note(f"forward({tokens} tokens): ratio {verdict.ratio:.3f}, packs {self.last_packs} -> {packs}")
-        assert verdict.ok, (f"forward after [{since}] does not match the reference on the current "
+        note(f"{what}: ratio {verdict.ratio:.3f}, packs {self.last_packs} -> {packs}")
+        assert verdict.ok, (f"{what} after [{since}] does not match the reference on the current "
                             f"weights (stale weights?): {verdict.text}")
         if packs is not None and self.last_packs is not None:
             delta = packs - self.last_packs
@@ -394,12 +412,14 @@ class WeightSwapMachine(RuleBasedStateMachine):
             assert packs >= self.last_packs, f"pack_count went down: {self.last_packs} -> {packs}"
 
 
-def _rules(max_tokens: int) -> dict:
+def _rules(max_tokens: int, tokens: st.SearchStrategy[int] | None = None) -> dict:
     """The rules, whose strategies depend on ``max_tokens``: ``change_<route>(name,
     then_forward)`` for each route of :data:`CHANGES` (its own rule, so swarm testing can enable
-    it alone with ``forward``), ``invalidate(then_forward)`` and ``forward(tokens, seed)``."""
+    it alone with ``forward``), ``invalidate(then_forward)`` and ``forward(tokens, seed)``.
+    ``tokens``: the token counts drawn (default: any in ``[1, max_tokens]``)."""
+    tokens = tokens if tokens is not None else st.integers(1, max_tokens)
     names = st.sampled_from(EXPERT_PARAMS * 2 + ROUTER_TENSORS)  # expert weights favoured
-    then_forwards = st.none() | st.integers(1, max_tokens)
+    then_forwards = st.none() | tokens
 
     def change_rule(how: str):
         def step(self, name, then_forward):
@@ -413,7 +433,7 @@ def _rules(max_tokens: int) -> dict:
         """Not a weight change: the explicit invalidation (where the layer offers one)."""
         self._invalidate(then_forward)
 
-    @rule(tokens=st.integers(1, max_tokens), seed=st.integers(0, 2**16))
+    @rule(tokens=tokens, seed=st.integers(0, 2**16))
     def forward(self, tokens, seed):
         self._check_forward(tokens, seed)
 

@@ -106,20 +106,23 @@ def _check_shapes(shapes) -> ShapeRule:
 
 
 def configs(*, budget: float = 1.0, dtypes=(torch.bfloat16,), score_funcs=SCORE_FUNCS,
-            shapes: ShapeRule = ANY_SHAPE) -> st.SearchStrategy[MoEConfig]:
-    """Layer configurations: one head or several, one expert or many, ``top_k`` from 1 to E;
-    widths drawn from those ``shapes`` (an implementation's declared rule) accepts.
-    ``dtypes`` and ``score_funcs``: a strategy, or the values to sample from."""
+            shapes: ShapeRule = ANY_SHAPE, min_heads: int = 1) -> st.SearchStrategy[MoEConfig]:
+    """Layer configurations: one head or several (at least ``min_heads``, at most the budget's),
+    one expert or many, ``top_k`` from 1 to E; widths drawn from those ``shapes`` (an
+    implementation's declared rule) accepts. ``dtypes`` and ``score_funcs``: a strategy, or the
+    values to sample from."""
     lim = Limits(budget)
     dtypes = _part(dtypes, _check_dtypes)
     score_funcs = _part(score_funcs, lambda v: _check_kinds(v, SCORE_FUNCS, "score_funcs"))
-    return _configs(lim, dtypes, score_funcs, _check_shapes(shapes))
+    if isinstance(min_heads, bool) or not isinstance(min_heads, int) or not 1 <= min_heads <= lim.max_heads:
+        raise ValueError(f"min_heads must be an int in [1, {lim.max_heads}], got {min_heads!r}")
+    return _configs(lim, dtypes, score_funcs, _check_shapes(shapes), min_heads)
 
 
 @st.composite
-def _configs(draw, lim: Limits, dtypes, score_funcs, shapes: ShapeRule) -> MoEConfig:
+def _configs(draw, lim: Limits, dtypes, score_funcs, shapes: ShapeRule, min_heads: int = 1) -> MoEConfig:
     head_dims, inters = _accepted_widths(shapes, (lim.max_head_dim, lim.max_intermediate))
-    heads = draw(_favour([1, 2, 3, 12], 1, lim.max_heads))
+    heads = draw(_favour([1, 2, 3, 12], min_heads, lim.max_heads))
     head_dim = draw(_pick_widths(head_dims, (16, 32, 48, 256)))
     max_experts = lim.max_experts
     experts = draw(_favour([1, 2, 8, 16, 256], 1, max_experts))

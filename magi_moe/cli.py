@@ -3,6 +3,7 @@
     magi-moe audit [--backend cpu|interpret|cuda] [--impl NAME ...] ...   # python -m audit
     magi-moe fuzz [--impl NAME ...] ...                                    # python -m fuzz
     magi-moe check IMPL [--backend NAME ...] [-- PYTEST ARGS]              # conformance tests
+    magi-moe example [NAME [--out FILE]]                                   # worked examples
 
 ``check`` runs the conformance suite (every test parametrized by the implementation under test,
 from the installed ``magi_moe.tests``) against ``IMPL``: a registered name,
@@ -10,6 +11,9 @@ from the installed ``magi_moe.tests``) against ``IMPL``: a registered name,
 On the ``interpret`` backend it sets ``TRITON_INTERPRET=1`` for the pytest process. It ends
 with the verdict, one row per contract clause, also written to ``--verdict-dir`` (Markdown and
 JSON). Exit statuses are pytest's; 5 means nothing was tested (magi-moe's pytest plugin says why).
+
+``example`` lists the worked examples shipped inside the package; ``example NAME`` prints one
+(``--out FILE`` writes it, refusing to overwrite a file), ready for ``magi-moe check FILE:IMPL``.
 
 Every command imports ``package.module:attr`` from the current directory first, as ``python -m``
 does. A bad command or ``--impl`` is one line on stderr and exit 2, before any work starts.
@@ -22,7 +26,7 @@ import sys
 
 from .arguments import OneLineParser
 
-COMMANDS = ("audit", "fuzz", "check")
+COMMANDS = ("audit", "fuzz", "check", "example")
 
 
 def use_current_directory() -> None:
@@ -82,6 +86,37 @@ def check(argv: list[str]) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def example(argv: list[str]) -> int:
+    from .examples import EXAMPLES, example_source
+
+    parser = OneLineParser(prog="magi-moe example",
+                           description="print or write a worked example implementation")
+    parser.add_argument("name", nargs="?", help=f"one of {', '.join(EXAMPLES)} (none: list them)")
+    parser.add_argument("--out", metavar="FILE", help="write the example to FILE instead of printing it")
+    args = parser.parse_args(argv)
+    if args.name is None:
+        if args.out:
+            parser.error("--out needs an example NAME")
+        for name, (_, what) in EXAMPLES.items():
+            print(f"{name:<8} {what}")
+        print("magi-moe example NAME prints one; --out FILE writes it, then: magi-moe check "
+              "FILE_STEM:IMPL --backend cpu")
+        return 0
+    if args.name not in EXAMPLES:
+        parser.error(f"NAME must be one of {', '.join(EXAMPLES)}, got {args.name!r}")
+    text = example_source(args.name)
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.out, "x", encoding="utf-8") as f:  # "x": never overwrite the team's file
+            f.write(text)
+    except OSError as exc:
+        parser.error(f"--out cannot be written: {args.out!r} ({exc.strerror or exc})")
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -99,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     if command == "fuzz":
         from .fuzz.__main__ import main as fuzz_main
         return fuzz_main(rest)
+    if command == "example":
+        return example(rest)
     return check(rest)
 
 

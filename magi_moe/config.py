@@ -124,6 +124,9 @@ PRESETS: dict[str, MoEConfig] = {
 
 
 def preset(name: str) -> MoEConfig:
+    if not isinstance(name, str):
+        raise TypeError(f"preset name must be a str, one of {sorted(PRESETS)}, got "
+                        f"{type(name).__name__} {name!r}")
     try:
         return PRESETS[name]
     except KeyError:

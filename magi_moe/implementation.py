@@ -1,7 +1,7 @@
 """What an implementation under test is and what it promises: one declaration, read by every
-test, fuzzer, auditor, the layer and the benchmark (OpInfo-style). A leaf module: it imports no
-other part of magi-moe at load time, so the registry, the built-ins and outside plugins all
-build on it without an import circle.
+test, fuzzer, auditor, the layer and the benchmark (OpInfo-style). A leaf module: at load time
+it imports only :mod:`magi_moe.verdict` (itself a leaf, for the kinds its skip reasons carry),
+so the registry, the built-ins and outside plugins all build on it without an import circle.
 
 An implementation computes the expert part of the layer on given routes:
 
@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 import torch
+
+from .verdict import not_declared, not_run, unsupported
 
 if TYPE_CHECKING:  # imported for annotations only: this module stays a leaf
     from torch import nn
@@ -144,7 +146,7 @@ ANY_SHAPE = ShapeRule()
 class UnsupportedShape(ValueError):
     """Raised by the harness (``magi_moe.problems.run_poisoned``) before calling an
     implementation on a shape outside its declaration: "unsupported", never a failure. magi-moe's
-    pytest plugin turns it into a skip with the reason."""
+    pytest plugin turns it into a skip of kind UNSUPPORTED with the reason."""
 
 
 @dataclass(frozen=True)
@@ -297,13 +299,13 @@ class Implementation:
 
     def supports(self, config: "MoEConfig", dtype: torch.dtype | None = None) -> str | None:
         """None when this implementation accepts ``config`` (and ``dtype``, default the
-        config's), else the reason. An error raised outside this is "unsupported"; an error
+        config's), else the reason (a SkipReason of kind UNSUPPORTED). An error raised outside this is "unsupported"; an error
         raised inside it is a failure."""
         dtype = config.dtype if dtype is None else dtype
         if dtype not in self.dtypes:
-            return f"{self.name} does not declare dtype {dtype}"
+            return unsupported(f"{self.name} does not declare dtype {dtype}")
         why = self.shapes.reason(config)
-        return f"{self.name}: {why}" if why else None
+        return unsupported(f"{self.name}: {why}") if why else None
 
     def fit(self, config: "MoEConfig", dtype: torch.dtype | None = None) -> "MoEConfig":
         """``config`` moved inside this declaration: the nearest widths (and ``top_k``) the shape
@@ -336,13 +338,17 @@ class Implementation:
         test matrix, usable as the backend says (``cuda`` means compiled Triton, so not under
         ``TRITON_INTERPRET=1``). Or a ``torch.device``: tensors already there, run by
         :meth:`backend_on`; on a GPU the device is there, so what is left to ask is Triton,
-        and only of an implementation that is not :attr:`plain_pytorch`."""
+        and only of an implementation that is not :attr:`plain_pytorch`.
+
+        The reason is a :class:`~magi_moe.verdict.SkipReason` carrying its kind for the verdict:
+        a capability in ``needs`` not declared is NOT DECLARED, a dtype not declared UNSUPPORTED,
+        a backend not declared or not usable here NOT RUN."""
         from .backends import BACKENDS, triton_installed
 
         if isinstance(where, torch.device):
             name = self.backend_on(where)
             if name not in self.backends:
-                return f"{self.name} does not declare backend {name}"
+                return not_run(f"{self.name} does not declare backend {name}")
             if name == "cuda":
                 gpu_ready = self.plain_pytorch or triton_installed()
                 why = None if gpu_ready else "backend cuda unavailable: triton is not installed"
@@ -351,15 +357,15 @@ class Implementation:
         else:
             backend = BACKENDS[where] if isinstance(where, str) else where
             if backend.name not in self.backends:
-                return f"{self.name} does not declare backend {backend.name}"
+                return not_run(f"{self.name} does not declare backend {backend.name}")
             why = backend.skip_reason()
         if why:
             return why
         if dtype is not None and dtype not in self.dtypes:
-            return f"{self.name} does not declare dtype {dtype}"
+            return unsupported(f"{self.name} does not declare dtype {dtype}")
         missing = [n for n in needs if n not in self.capabilities]
         if missing:
-            return f"{self.name} does not declare {', '.join(missing)}"
+            return not_declared(f"{self.name} does not declare {', '.join(missing)}")
         return None
 
     def route(self, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,

@@ -64,6 +64,7 @@ class MagiMoE(nn.Module):
     :mod:`magi_moe.dispatch` chooses. An implementation with a ``layer_forward`` (``fused``)
     runs the whole layer through it on the layer's tensors (``x``, ``gate``, the selection
     bias, the expert weights, the config); any other gets its routing and its ``forward``.
+    Whatever it returns must be ``[S, H*Dh]``: another shape is refused, naming it.
 
     ``weight_cache``: the :class:`~magi_moe.packed_weights.PackedWeightCache` that packs
     ``W_gate``/``W_up`` into one bank for the fused path (its docstring says what it promises),
@@ -208,6 +209,7 @@ class MagiMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.config
+        _refuse_meta(x, self.W_gate)
         check_tensor("x", x, shape=(None, cfg.hidden_size), dtype=cfg.dtype, device=self.W_gate.device)
         if x.numel() and x.stride(-1) != 1:
             x = x.contiguous()  # the kernels read rows through a row stride, columns densely
@@ -217,7 +219,7 @@ class MagiMoE(nn.Module):
         if x.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing():
             self._pin_for_graph()
         if impl.layer_forward is not None and self.weight_cache is not None:
-            return self._whole_layer(impl, x)
+            return _checked_output(impl, "layer_forward", self._whole_layer(impl, x), x)
         routes = impl.route(x, self.gate, self.selection_bias, cfg)
         table = build_route_table(routes, cfg)
         weights = self.expert_weights()
@@ -227,7 +229,7 @@ class MagiMoE(nn.Module):
             weights = ExpertWeights(*(w.contiguous() for w in weights))
         with torch.no_grad():
             y = impl(x, table, weights, cfg)
-        return y.to(x.dtype)
+        return _checked_output(impl, "forward", y, x).to(x.dtype)
 
     def _whole_layer(self, impl: Implementation, x: torch.Tensor) -> torch.Tensor:
         """``impl.layer_forward`` on this layer's tensors, its packed bank made current first.
@@ -268,6 +270,28 @@ def _check_forced_impl(impl: object, deterministic: bool) -> None:
     if deterministic and not impl.deterministic:
         raise ValueError(f"impl: deterministic=True but {impl.name!r} does not declare "
                          f"'deterministic'")
+
+
+def _refuse_meta(x: object, weight: torch.Tensor) -> None:
+    """Meta tensors carry no data: a forward on them would fail deep inside routing."""
+    if isinstance(x, torch.Tensor) and x.is_meta:
+        raise ValueError("x is a meta tensor (shape only, no data): the layer computes on real "
+                         "tensors; pass x on a real device such as 'cpu' or 'cuda'")
+    if weight.is_meta:
+        raise ValueError("the layer's weights are meta tensors (no data): load them first "
+                         "(MagiMoE.from_state_dict, or to_empty(device=...) then load_state_dict)")
+
+
+def _checked_output(impl: Implementation, what: str, y: object, x: torch.Tensor) -> torch.Tensor:
+    """The layer returns ``[S, H*Dh]`` whatever the implementation returned: a wrong shape is
+    refused here, naming who returned it, instead of reaching the caller's next layer."""
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"impl {impl.name!r}: its {what} must return a torch.Tensor of shape "
+                        f"{tuple(x.shape)}, got {type(y).__name__}")
+    if y.shape != x.shape:
+        raise ValueError(f"impl {impl.name!r}: its {what} returned shape {tuple(y.shape)}, expected "
+                         f"{tuple(x.shape)} ([S, H*Dh], the shape of x)")
+    return y
 
 
 def _check_runs_here(impl: Implementation, x: torch.Tensor) -> None:

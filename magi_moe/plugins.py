@@ -37,11 +37,26 @@ def as_implementation(obj: object, source: str) -> Implementation:
                 f"{source} must be a magi_moe.implementation.Implementation or a zero-argument factory "
                 f"returning one, got a callable that needs arguments ({', '.join(required)}); a forward "
                 f"function is declared as Implementation(forward=...) and that Implementation is named")
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as exc:  # a factory's heavy import or device check failed
+            raise ValueError(f"{source}: its factory raised {described(exc)}") from exc
     if not isinstance(obj, Implementation):
         raise ValueError(f"{source} must be a magi_moe.implementation.Implementation or a zero-argument "
                          f"factory returning one, got {type(obj).__name__}")
     return obj
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message cut to its first line: every command says a load failure in one."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def described(exc: BaseException) -> str:
+    """``RuntimeError: no GPU here``: the type says what kind of failure the module met."""
+    text = first_line(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _required_parameters(fn) -> list[str]:
@@ -65,7 +80,10 @@ def load_spec(spec: str) -> Implementation:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"cannot load implementation {spec!r}: importing {module_name!r} failed: "
-                         f"{exc}") from exc
+                         f"{first_line(exc)}") from exc
+    except Exception as exc:  # the team's module itself raised (no GPU here, a SyntaxError, ...)
+        raise ValueError(f"cannot load implementation {spec!r}: importing {module_name!r} raised "
+                         f"{described(exc)}") from exc
     if not hasattr(module, attr):
         raise ValueError(f"cannot load implementation {spec!r}: module {module_name!r} has no "
                          f"attribute {attr!r}")
@@ -95,7 +113,9 @@ def load_entry_point(name: str) -> Implementation | None:
     try:
         obj = ep.load()
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load {source}: {exc}") from exc
+        raise ValueError(f"cannot load {source}: {first_line(exc)}") from exc
+    except Exception as exc:  # the module the entry point names raised while importing
+        raise ValueError(f"cannot load {source}: importing it raised {described(exc)}") from exc
     impl = as_implementation(obj, source)
     if impl.name != name:
         raise ValueError(f"{source} provides an implementation named {impl.name!r}; the entry point "

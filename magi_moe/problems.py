@@ -89,12 +89,15 @@ def check_handed_inputs(impl: Implementation, problem: Problem) -> None:
 
 
 def run_poisoned(impl: Implementation, problem: Problem) -> torch.Tensor:
-    """Run ``impl`` into a NaN-filled output (and NaN-filled workspaces) so unwritten elements show.
-    The call is validated first (:func:`check_handed_inputs`): implementations may trust it.
+    """Run ``impl`` into a NaN-filled output (and NaN-filled workspaces) so unwritten elements show,
+    on used memory (:func:`~magi_moe.dirty_memory.handed_memory`: what ``torch.empty`` hands it
+    reads as poison, not as fresh zeros). The call is validated first
+    (:func:`check_handed_inputs`): implementations may trust it.
 
     A shape or dtype outside ``impl.supports`` raises :class:`~magi_moe.implementation.
     UnsupportedShape` before the call (a skip under magi-moe's pytest plugin, not a failure)."""
     from .debug import poison_workspaces
+    from .dirty_memory import handed_memory, reserve_for
     from .implementation import UnsupportedShape
 
     why = impl.supports(problem.config, problem.x.dtype)
@@ -104,7 +107,8 @@ def run_poisoned(impl: Implementation, problem: Problem) -> torch.Tensor:
 
     x = problem.x
     out = torch.full(x.shape, float("nan"), dtype=impl.output_dtype(x.dtype), device=x.device)
-    with poison_workspaces():
+    reserve = reserve_for(problem.config, problem.num_tokens, problem.table.num_routes)
+    with poison_workspaces(), handed_memory(x.device, reserve_bytes=reserve):
         result = impl(x, problem.table, problem.weights, problem.config, out=out)
     if result.data_ptr() != out.data_ptr():
         raise AssertionError(f"{impl.name} returned a new tensor instead of writing into out")

@@ -25,9 +25,15 @@ Each implementation test names the contract clause it judges (``@pytest.mark.cla
 on a backend (PASS, FAIL with a count and the command that reruns the first failure, NOT
 DECLARED, UNSUPPORTED, NOT RUN), written as Markdown and JSON by ``--verdict-dir DIR``.
 
+The verdict reads data, never a message: a skip's kind from its reason when that is a
+:class:`~magi_moe.verdict.SkipReason` (``pytest.skip(V.not_declared("..."))``; a plain reason
+is NOT RUN), a failure's root cause from its exception
+(:class:`~magi_moe.verdict.CountedUnderAccuracy`, itself or one it was raised from).
+
 A run in which an implementation named by ``--impl`` ran no test, or in which every
 implementation test was skipped, fails with exit status 5 and says why (the most common skip
-reasons), unless ``--allow-vacuous`` is given.
+reasons), unless ``--allow-vacuous`` is given. A ``--verdict-dir`` that cannot be written at
+the end is exit status 4 (a usage error, as one refused at the start), with one line saying why.
 """
 from __future__ import annotations
 
@@ -50,6 +56,9 @@ _IMPL_PROPERTY = "magi_moe_impl"
 _CLAUSE_PROPERTY = "magi_moe_clause"
 _SUBJECT_PROPERTY = "magi_moe_subject"
 _REPRO_PROPERTY = "magi_moe_repro"
+_SKIP_KIND_PROPERTY = "magi_moe_skip_kind"
+_CAUSE_PROPERTY = "magi_moe_cause"
+VERDICT_NOT_WRITTEN_EXIT = pytest.ExitCode.USAGE_ERROR  # 4: --verdict-dir unusable, as at the start
 
 
 @dataclass(frozen=True)
@@ -236,7 +245,8 @@ def pytest_pyfunc_call(pyfuncitem):
     exc = outcome.exception if hasattr(outcome, "exception") else (
         outcome.excinfo[1] if outcome.excinfo else None)
     if isinstance(exc, UnsupportedShape):
-        outcome.force_exception(pytest.skip.Exception(f"unsupported: {exc}", _use_item_location=True))
+        outcome.force_exception(pytest.skip.Exception(V.unsupported(f"unsupported: {exc}"),
+                                                      _use_item_location=True))
 
 
 def clause_of(item) -> str:
@@ -285,8 +295,15 @@ def pytest_runtest_makereport(item, call):
         if isinstance(pair, ImplOnBackend):
             report.user_properties += [(_CLAUSE_PROPERTY, clause_of(item)),
                                        (_SUBJECT_PROPERTY, str(pair))]
+            exc = call.excinfo.value if call.excinfo is not None else None
+            if report.skipped:  # the kind its reason carries (pytest.skip keeps the object)
+                kind = V.skip_kind(getattr(exc, "msg", None))
+                report.user_properties.append((_SKIP_KIND_PROPERTY, kind))
             if report.failed:
                 report.user_properties.append((_REPRO_PROPERTY, repro_command(item, pair)))
+                cause = V.cause_of(exc)
+                if cause:
+                    report.user_properties.append((_CAUSE_PROPERTY, cause))
 
 
 class Tally:
@@ -310,18 +327,19 @@ class Tally:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             reason = reason.removeprefix("Skipped: ")
             self.skipped[name or "(none)"][reason] += 1
-            self._outcome(report, props, "skipped", reason)
+            self._outcome(report, props, V.Status.SKIP, reason)
         elif report.when == "call" or report.failed:  # an error in setup is a failure too
             self.impl_tests += 1
             self.ran[name] += 1
-            self._outcome(report, props, "failed" if report.failed else "passed",
+            self._outcome(report, props, V.Status.FAIL if report.failed else V.Status.PASS,
                           _failure_line(report) if report.failed else "")
 
-    def _outcome(self, report, props: dict, status: str, detail: str) -> None:
+    def _outcome(self, report, props: dict, status: V.Status, detail: str) -> None:
         if _SUBJECT_PROPERTY in props:
-            self.outcomes.append(V.Outcome(props[_SUBJECT_PROPERTY], props[_CLAUSE_PROPERTY],
-                                           status, report.nodeid, detail,
-                                           props.get(_REPRO_PROPERTY, "")))
+            self.outcomes.append(V.Outcome(
+                props[_SUBJECT_PROPERTY], props[_CLAUSE_PROPERTY], status, report.nodeid, detail,
+                props.get(_REPRO_PROPERTY, ""), kind=props.get(_SKIP_KIND_PROPERTY),
+                cause=props.get(_CAUSE_PROPERTY)))
 
     def verdict(self) -> dict[str, list[V.ClauseVerdict]]:
         return V.verdict_rows(self.outcomes)
@@ -346,7 +364,7 @@ class Tally:
         backends that run them was skipped as unavailable (interpreter off, no GPU)."""
         def backend(o): return o.subject.rpartition("@")[2]
         kernel_rows = [o for o in self.outcomes if backend(o) in ("interpret", "cuda")]
-        if not kernel_rows or any(o.status != "skipped" for o in kernel_rows):
+        if not kernel_rows or any(o.status is not V.Status.SKIP for o in kernel_rows):
             return []
         reasons = Counter(o.detail for o in kernel_rows)
         top = "; ".join(f"{n} x {r}" for r, n in reasons.most_common(2))
@@ -367,9 +385,18 @@ class Tally:
 def pytest_sessionfinish(session, exitstatus):
     config = session.config
     tally = getattr(config, "_magi_moe_tally", None)
-    if tally is None or exitstatus != pytest.ExitCode.OK or config.getoption("--allow-vacuous"):
+    if tally is None or hasattr(config, "workerinput"):  # an xdist worker: the controller decides
         return
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller decides
+    if tally.outcomes:
+        config._magi_moe_verdict = tally.verdict()
+        try:
+            config._magi_moe_verdict_written = _write_verdict(config, config._magi_moe_verdict)
+        except OSError as exc:  # a verdict the job cannot read is no result: never exit 0
+            config._magi_moe_verdict_error = (f"--verdict-dir: cannot write the verdict: {exc} "
+                                              f"(exit status {int(VERDICT_NOT_WRITTEN_EXIT)})")
+            session.exitstatus = VERDICT_NOT_WRITTEN_EXIT
+            return
+    if exitstatus != pytest.ExitCode.OK or config.getoption("--allow-vacuous"):
         return
     problems = tally.problems()
     if problems:
@@ -411,20 +438,18 @@ def _write_verdict(config, table) -> Path | None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    tally = getattr(config, "_magi_moe_tally", None)
-    if tally is not None and tally.outcomes and not hasattr(config, "workerinput"):
-        table = tally.verdict()
+    table = getattr(config, "_magi_moe_verdict", None)
+    if table is not None:
         terminalreporter.section("magi-moe verdict: one row per contract clause", sep="=", bold=True)
         for line in V.text_lines(table):
             terminalreporter.line(line, red=" FAIL " in line, green=line.endswith(": PASS"))
-        try:
-            written = _write_verdict(config, table)
-        except OSError as exc:
-            terminalreporter.line(f"--verdict-dir: cannot write the verdict: {exc}", red=True)
-        else:
-            if written is not None:
-                terminalreporter.line(f"verdict written to {written / 'verdict.md'} and "
-                                      f"{written / 'verdict.json'}")
+        error = getattr(config, "_magi_moe_verdict_error", None)
+        written = getattr(config, "_magi_moe_verdict_written", None)
+        if error:
+            terminalreporter.line(error, red=True)
+        elif written is not None:
+            terminalreporter.line(f"verdict written to {written / 'verdict.md'} and "
+                                  f"{written / 'verdict.json'}")
     problems = getattr(config, "_magi_moe_vacuous", None)
     if problems:
         terminalreporter.section("magi-moe: nothing was tested", sep="=", red=True, bold=True)

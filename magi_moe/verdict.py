@@ -2,7 +2,8 @@
 
 ``magi-moe check`` / ``pytest --conformance`` (through magi-moe's pytest plugin) and the audit
 (``audit.report``) report the cases they ran as :class:`Outcome` records, each naming its clause
-(:data:`CLAUSES`). :func:`verdict_rows` folds them into one :class:`ClauseVerdict` per clause:
+(:func:`clauses`, the one registry: adding a clause is one :class:`Clause` record there).
+:func:`verdict_rows` folds them into one :class:`ClauseVerdict` per clause:
 
 * ``PASS``: every case that ran passed;
 * ``FAIL``: at least one failed; the row counts them, quotes the first failure and gives the
@@ -12,16 +13,110 @@
 * ``UNSUPPORTED``: nothing ran because every case lies outside its declared shapes or dtypes;
 * ``NOT RUN``: nothing ran here for another reason (no GPU, a backend not usable), named.
 
-Rendered as Markdown (:func:`markdown`) for people and JSON (:func:`as_json`) for dashboards.
+Every fact the fold uses travels as data from where it arose, never read back from a message:
+a case's :class:`Status` (one vocabulary for the audit's rows, the plugin's test reports and
+this module), a skip's kind (:class:`SkipReason`, a ``str`` carrying it, so it is also the
+message wherever one is expected), a failure's root cause (:class:`CountedUnderAccuracy`, the
+exception type the accuracy judge and the layer tests raise). Rendered as Markdown
+(:func:`markdown`) for people and JSON (:func:`as_json`) for dashboards.
 """
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from enum import Enum
 
+# A clause's status, the words of the verdict table.
 PASS, FAIL, NOT_DECLARED, UNSUPPORTED, NOT_RUN = "PASS", "FAIL", "NOT DECLARED", "UNSUPPORTED", "NOT RUN"
 STATUSES = (FAIL, PASS, NOT_DECLARED, UNSUPPORTED, NOT_RUN)
+SKIP_KINDS = (NOT_DECLARED, UNSUPPORTED, NOT_RUN)  # why a case was not judged, most telling first
+
+
+class Status(str, Enum):
+    """One case's outcome: an audit row's status, a test report's, an :class:`Outcome`'s. The
+    values are the audit's words (its report and progress lines print them)."""
+
+    PASS = "pass"  # judged, right
+    FAIL = "FAIL"  # judged, wrong
+    SKIP = "skip"  # not judged here: its SkipReason says why, and of which kind
+    INFO = "info"  # an observation; judges nothing unless it carries a SkipReason
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class SkipReason(str):
+    """Why a case was not judged, with its kind (one of :data:`SKIP_KINDS`) as data. A ``str``,
+    so it is the message wherever one goes (``pytest.skip``, ``pytest.mark.skip(reason=...)``, a
+    row's result) and reaches the verdict's fold unparsed; text built from it is plain text."""
+
+    kind: str
+
+    def __new__(cls, kind: str, text: str) -> "SkipReason":
+        if kind not in SKIP_KINDS:
+            raise ValueError(f"kind must be one of {SKIP_KINDS}, got {kind!r}")
+        self = super().__new__(cls, text)
+        self.kind = kind
+        return self
+
+    def __getnewargs__(self) -> tuple[str, str]:  # pickles (xdist, multiprocessing) keep the kind
+        return self.kind, str(self)
+
+
+def not_declared(text: str) -> SkipReason:
+    """The implementation does not declare the capability the case needs."""
+    return SkipReason(NOT_DECLARED, text)
+
+
+def unsupported(text: str) -> SkipReason:
+    """The case lies outside the implementation's declared shapes or dtypes."""
+    return SkipReason(UNSUPPORTED, text)
+
+
+def not_run(text: str) -> SkipReason:
+    """Not run here for another reason (no GPU, a backend not usable, judged elsewhere)."""
+    return SkipReason(NOT_RUN, text)
+
+
+def skip_kind(reason) -> str:
+    """A skip's kind: the one its :class:`SkipReason` carries; plain text is ``NOT RUN``."""
+    return getattr(reason, "kind", NOT_RUN)
+
+
+# Root causes a failure can carry besides its clause's own (Outcome.cause).
+INACCURATE = "inaccurate"  # the accuracy judge failed it (bounds, baseline or faithfulness)
+WRONG_FROM_THE_START = "wrong-from-the-start"  # a layer already wrong with its first weights
+CAUSES = (INACCURATE, WRONG_FROM_THE_START)
+
+
+class CountedUnderAccuracy(AssertionError):
+    """A failure whose root cause is accuracy, with ``cause`` (one of :data:`CAUSES`) as data:
+    the accuracy judge's failure (``audit.judge.Inaccurate``) and a layer wrong before any weight
+    change (``LayerWrongFromTheStart``). magi-moe's pytest plugin reads the cause from the
+    exception (or one it was raised from), never from its message."""
+
+    cause: str = INACCURATE
+
+
+class LayerWrongFromTheStart(CountedUnderAccuracy):
+    """The layer is already wrong with its first weights: the weight-change, graph and checkpoint
+    cases meeting it judged nothing of their own, and count under accuracy wherever it stands."""
+
+    cause = WRONG_FROM_THE_START
+
+
+def cause_of(exc: BaseException | None) -> str | None:
+    """The root cause ``exc`` carries, itself or through the exceptions it was raised from
+    (``raise ... from``; not one merely being handled, a negative control's, say)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, CountedUnderAccuracy):
+            return exc.cause
+        exc = exc.__cause__
+    return None
 
 
 @dataclass(frozen=True)
@@ -29,6 +124,7 @@ class Clause:
     name: str
     title: str
     contract: str  # where docs/CONTRACT.md (or docs/INPUTS.md) states it
+    family: bool = False  # one row per route: "weight-change/copy_" (audit.cache's route names)
 
 
 _FIXED = (
@@ -36,6 +132,11 @@ _FIXED = (
            "written, at every declared dtype", "CONTRACT 1"),
     Clause("locality", "a (token, head) result depends on its own routes only: token order, head "
            "slices, linearity in the routing weights", "CONTRACT 1"),
+    Clause("row-isolation", "a (token, head) result depends only on that token's row of x, its "
+           "routes and the weights: NaN, Inf or garbage in other rows (padding rows included) "
+           "never reaches it", "CONTRACT 1"),
+    Clause("history", "a call's result does not depend on earlier calls on the same objects "
+           "(other token counts, routes, weights, memory left dirty by them)", "CONTRACT 5"),
     Clause("edge-shapes", "no tokens, block-boundary token counts, one hot expert, empty experts, "
            "strided rows", "CONTRACT 1-2"),
     Clause("zero-rows", "a (token, head) pair with no route gets zeros", "CONTRACT 2"),
@@ -53,11 +154,11 @@ _FIXED = (
     Clause("checkpoint", "the layer built from a released checkpoint computes that checkpoint's "
            "output and reports its tensors under their released names", "CONTRACT 3"),
     Clause("weight-change", "the layer follows every way weights change (one row per route: "
-           "weight-change/<route>)", "CONTRACT 5"),
+           "weight-change/<route>)", "CONTRACT 5", family=True),
     Clause("weight-swaps", "random sequences of weight changes never serve stale weights",
            "CONTRACT 5"),
     Clause("cuda-graph", "a captured CUDA graph is right after every weight-change route, or "
-           "promises a recapture", "CONTRACT 8b"),
+           "promises a recapture", "CONTRACT 8b", family=True),
     Clause("discipline", "no host sync once warm (declared: no_host_sync)", "CONTRACT 8b"),
     Clause("compile", "the layer under torch.compile", "CONTRACT 8b"),
     Clause("speed", "timed under pytest-benchmark on the anchor cases, after the judge passed "
@@ -68,13 +169,14 @@ _FIXED = (
 )
 
 
-# Families: "weight-change/copy_" is the weight-change clause for one route (audit.cache's names).
-FAMILIES = ("weight-change", "cuda-graph")
-
-
 def clauses() -> dict[str, Clause]:
     """Every fixed clause and family head, in report order."""
     return {c.name: c for c in _FIXED}
+
+
+def families() -> tuple[str, ...]:
+    """The clauses with one row per route (``family/route``)."""
+    return tuple(c.name for c in _FIXED if c.family)
 
 
 def clause(name: str) -> Clause:
@@ -83,11 +185,11 @@ def clause(name: str) -> Clause:
     if name in known:
         return known[name]
     family, _, route = name.partition("/")
-    if family in FAMILIES and route:
+    if family in families() and route:
         head = known[family]
         return Clause(name, f"{head.title.split(' (')[0]}: {route}", head.contract)
     raise ValueError(f"clause must be one of {list(known)} or family/route for a family of "
-                     f"{FAMILIES}, got {name!r}")
+                     f"{families()}, got {name!r}")
 
 
 def _order(name: str) -> tuple[int, str]:
@@ -99,28 +201,37 @@ def _order(name: str) -> tuple[int, str]:
 # -- what judged it ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Outcome:
-    """One judged case: ``status`` is ``"passed"``, ``"failed"`` or ``"skipped"``; ``detail`` the
-    first line of the failure or the skip reason; ``repro`` a command that reruns it alone."""
+    """One judged case: ``status`` a :class:`Status` (``"pass"``, ``"FAIL"``, ``"skip"``);
+    ``detail`` the first line of the failure or the skip reason; ``repro`` a command that reruns
+    it alone; ``kind`` a skip's kind (default: the one its ``detail`` carries as a
+    :class:`SkipReason`, else ``NOT RUN``); ``cause`` a failure's root cause when it is not the
+    clause's own (one of :data:`CAUSES`)."""
 
     subject: str   # "impl@backend"
     clause: str
-    status: str
+    status: Status
     case: str = ""
     detail: str = ""
     repro: str = ""
+    kind: str | None = None
+    cause: str | None = None
 
-
-_NOT_DECLARED = re.compile(r"does not declare (?!dtype|backend)")
-_UNSUPPORTED = re.compile(r"^unsupported\b|does not declare dtype|outside (its|the) declared")
-
-
-def skip_kind(reason: str) -> str:
-    """What a skip means for the verdict: NOT DECLARED, UNSUPPORTED or NOT RUN."""
-    if _NOT_DECLARED.search(reason):
-        return NOT_DECLARED
-    if _UNSUPPORTED.search(reason):
-        return UNSUPPORTED
-    return NOT_RUN
+    def __post_init__(self) -> None:
+        try:
+            status = Status(self.status)
+        except ValueError:
+            raise ValueError(f"status must be one of {[s.value for s in Status]}, "
+                             f"got {self.status!r}") from None
+        if status is Status.INFO:
+            raise ValueError("status must be pass, FAIL or skip: an info row judges nothing "
+                             "(give it a SkipReason to count as a skip)")
+        object.__setattr__(self, "status", status)
+        if status is Status.SKIP and self.kind is None:
+            object.__setattr__(self, "kind", skip_kind(self.detail))
+        if self.kind is not None and self.kind not in SKIP_KINDS:
+            raise ValueError(f"kind must be one of {SKIP_KINDS}, got {self.kind!r}")
+        if self.cause is not None and self.cause not in CAUSES:
+            raise ValueError(f"cause must be one of {CAUSES}, got {self.cause!r}")
 
 
 @dataclass
@@ -148,9 +259,9 @@ class ClauseVerdict:
 
 
 def _fold(subject: str, clause_: Clause, outcomes: list[Outcome]) -> ClauseVerdict:
-    failed = [o for o in outcomes if o.status == "failed"]
-    passed = [o for o in outcomes if o.status == "passed"]
-    skipped = [o for o in outcomes if o.status == "skipped"]
+    failed = [o for o in outcomes if o.status is Status.FAIL]
+    passed = [o for o in outcomes if o.status is Status.PASS]
+    skipped = [o for o in outcomes if o.status is Status.SKIP]
     row = ClauseVerdict(subject, clause_, PASS, len(passed), len(failed), len(skipped))
     if failed:
         first = failed[0]
@@ -166,20 +277,10 @@ def _fold(subject: str, clause_: Clause, outcomes: list[Outcome]) -> ClauseVerdi
     else:
         by_kind: dict[str, list[Outcome]] = {}
         for o in skipped:
-            by_kind.setdefault(skip_kind(o.detail), []).append(o)
-        kind = next(k for k in (NOT_DECLARED, UNSUPPORTED, NOT_RUN) if k in by_kind)
+            by_kind.setdefault(o.kind, []).append(o)
+        kind = next(k for k in SKIP_KINDS if k in by_kind)
         row.status, row.detail = kind, by_kind[kind][0].detail
     return row
-
-
-# The accuracy judge's own failures (audit.judge: the bounds, the baseline ratio, faithfulness to
-# the precision model), wherever a test quotes them; "written" (unwritten elements) is not one.
-_INACCURATE = re.compile(r"FAILED on (bounds|baseline|faithfulness)\b")
-# A layer already wrong with its first weights (the weight-change, graph and checkpoint tests say
-# so in these words): no route was judged, and the layer's output is inaccurate whatever the
-# kernel's row says.
-LAYER_WRONG_FROM_THE_START = "layer FAILED on bounds before any weight change"
-_WRONG_FROM_THE_START = re.compile(re.escape(LAYER_WRONG_FROM_THE_START))
 
 
 def _counted_under_accuracy(by_clause: dict[str, list[Outcome]]) -> dict[str, int]:
@@ -188,12 +289,11 @@ def _counted_under_accuracy(by_clause: dict[str, list[Outcome]]) -> dict[str, in
     accuracy row. Where accuracy passes they stay: then the inaccuracy is the edge's own. A
     layer wrong before any weight change moves always: every weight-change and graph route
     meets the same wrong layer, and none of them was judged."""
-    accuracy_failed = any(o.status == "failed" for o in by_clause.get("accuracy", ()))
+    accuracy_failed = any(o.status is Status.FAIL for o in by_clause.get("accuracy", ()))
 
     def inaccurate(o: Outcome) -> bool:
-        return o.status == "failed" and bool(
-            _WRONG_FROM_THE_START.search(o.detail)
-            or (accuracy_failed and _INACCURATE.search(o.detail)))
+        return o.status is Status.FAIL and (
+            o.cause == WRONG_FROM_THE_START or (accuracy_failed and o.cause == INACCURATE))
 
     moved = {}
     for name in [c for c in by_clause if c != "accuracy"]:

@@ -42,7 +42,15 @@ expect_refusal magi-moe check team_kernel:einsum_forward
 expect_refusal magi-moe audit --impl no_such_module:IMPL
 expect_refusal magi-moe fuzz --budget-seconds nan
 expect_refusal magi-moe fuzz --properties diferential
-echo "+ bad arguments are refused in one line with exit 2"
+echo 'raise RuntimeError("no GPU here")' > team_no_gpu.py
+expect_refusal magi-moe check team_no_gpu:IMPL
+echo "+ bad arguments (a module raising at import too) are refused in one line with exit 2"
+
+# The worked examples the wheel hands a team, written out and checked as written.
+magi-moe example > /dev/null
+magi-moe example layer --out team_layer.py
+magi-moe check team_layer:IMPL --backend cpu -- -q
+echo "+ magi-moe example layer, written out, passes magi-moe check"
 
 # The team's module from the current directory, in the audit (plots included).
 magi-moe audit --impl team_kernel:IMPL --no-kernels --no-mpcheck --no-controls --tokens 16 \

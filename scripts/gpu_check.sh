@@ -10,6 +10,8 @@
 #   fuzz   a fuzz campaign on CUDA for FUZZ_BUDGET seconds, FUZZ_WORKERS xdist workers (4),
 #          resuming from FUZZ_DB (.hypothesis/fuzz-db; returned as fuzz-db.tgz), FUZZ_ARGS extra
 #   bench  the fused benchmarks (scripts/gpu_fused.sh bench)
+#   sequences  the used-memory, tile-entry, history, row-isolation and serving-stream tests
+#          (issue 40) on CUDA, one process: those of ISSUE40_TESTS present in this checkout
 # Each step has a timeout (STEP_TIMEOUT_<step> seconds). Results land in $OUT (./gpu-results).
 # On the H200 tests + serial take about 6.5 min and the audit about 6 min: where a command may
 # run at most 10 min, run them separately.
@@ -52,6 +54,12 @@ for step in "${steps[@]}"; do
            tar czf "$OUT/fuzz-db.tgz" -C "$(dirname "${FUZZ_DB:-.hypothesis/fuzz-db}")" \
              "$(basename "${FUZZ_DB:-.hypothesis/fuzz-db}")" 2>/dev/null ;;
     bench) run_step bench 300 bash scripts/gpu_fused.sh bench ;;
+    sequences) present=(); for f in ${ISSUE40_TESTS:-tests/test_dirty_memory.py tests/test_tile_entries.py \
+             tests/test_history.py tests/test_row_isolation.py tests/test_serving_stream.py}; do
+             [ -e "$f" ] && present+=("$f") || echo "sequences: $f not in this checkout"; done
+           run_step sequences 420 python3 -m pytest "${present[@]}" --backend cuda -q -p no:cacheprovider \
+             --hypothesis-profile "${TEST_PROFILE:-ci}" -W ignore -rs --durations=15 \
+             --junitxml="$OUT/sequences.xml" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

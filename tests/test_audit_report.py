@@ -46,6 +46,8 @@ def test_default_run_writes_the_report(tmp_path, capsys):
     assert {"selfcheck", "bounds", "routing", "determinism", "cache", "discipline"} <= sections
     bounds = [r for r in data["rows"] if r["section"] == "bounds" and r["status"] == "pass"]
     assert any(r["subject"].startswith("torch-bf16") for r in bounds)
+    assert {(r["impl"], r["clause"], r["backend"]) for r in bounds if r["impl"] != "native-det"} == {
+        ("reference", "accuracy", "cpu"), ("torch-bf16", "accuracy", "cpu")}  # the verdict's facts
     assert "## bounds" in (tmp_path / "report.md").read_text()
 
 
@@ -134,3 +136,37 @@ def test_a_section_that_raises_keeps_the_rows_it_found(tmp_path):
         ("one", PASS), ("first route", PASS), ("section stopped", FAIL)]
     assert audit.rows[-1].result == "raised RuntimeError: auditor exploded"
     assert len({s.name for s in SECTIONS}) == len(SECTIONS)
+
+
+def test_the_verdict_reads_each_rows_implementation_and_clause_not_its_subject(tmp_path):
+    """A row's subject is for people: the verdict takes the implementation, the clause (its
+    section's, unless the row names its own) and a note's skip kind from the row's fields. A row
+    naming an implementation only in its subject judges nothing; a section that raises fails its
+    own clause under the suite's subject."""
+    import io
+
+    from magi_moe import verdict as V
+    from magi_moe.audit.report import Audit, AuditOptions
+    from magi_moe.audit.rows import FAIL, INFO, PASS, Row
+    from magi_moe.audit.sections import Section
+
+    def run(audit):
+        yield Row("made-up", "words that name nobody", PASS, "ok", impl="reference")
+        yield Row("made-up", "reference @ tiny/random", FAIL, "no impl field: not a case")
+        yield Row("made-up", "still nobody", INFO, "3/3 differ", impl="reference",
+                  skip=V.not_declared("reworded: makes no promise of repeatable bits"))
+        yield Row("made-up", "nobody either", FAIL, "stale", impl="reference",
+                  clause="weight-change/in_place")
+        yield Row("made-up", "a note", INFO, "offers no pack count", impl="reference")
+        raise RuntimeError("auditor exploded")
+
+    audit = Audit(AuditOptions(out=tmp_path, impls=["reference"], controls=False),
+                  stream=io.StringIO())
+    audit.run_section(Section("made-up", run, clause="determinism"))
+    table = V.verdict_rows(audit.outcomes())
+    got = {s: [(r.clause.name, r.status, r.passed, r.failed, r.skipped) for r in rows]
+           for s, rows in table.items()}
+    assert got == {"reference@cpu": [("determinism", V.PASS, 1, 0, 1),
+                                     ("weight-change/in_place", V.FAIL, 0, 1, 0)],
+                   "magi-moe": [("determinism", V.FAIL, 0, 1, 0)]}
+    assert table["reference@cpu"][1].repro == "magi-moe audit --backend cpu --impl reference"

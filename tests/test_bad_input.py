@@ -45,6 +45,7 @@ from magi_moe.backends import BACKENDS  # noqa: E402
 from magi_moe.config import MoEConfig, preset  # noqa: E402
 from magi_moe.fuzz.child import run_capped  # noqa: E402
 from magi_moe.fuzz.properties import spec_for  # noqa: E402
+from magi_moe.implementation import Implementation  # noqa: E402
 from magi_moe.layer import MagiMoE  # noqa: E402
 from magi_moe.problems import random_problem, relative_l2, routes_to  # noqa: E402
 from magi_moe.registry import get_implementation  # noqa: E402
@@ -523,6 +524,18 @@ def _no_gpu_device() -> str:
     return f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
 
 
+def _half_width(x, table, weights, config, *, out):
+    """Wrong on purpose: one value per pair of columns, [S, H*Dh/2]."""
+    return out.view(x.shape[0], -1, 2).mean(-1)
+
+
+HALF_WIDTH = Implementation("half-width", _half_width, ("cpu", "interpret", "cuda"), "bf16-fp32acc",
+                            description="test: returns [S, H*Dh/2]")
+RETURNS_NONE = Implementation("returns-none", lambda x, table, weights, config, *, out: None,
+                              ("cpu", "interpret", "cuda"), "bf16-fp32acc",
+                              description="test: returns nothing")
+
+
 @dataclass(frozen=True)
 class CallRow:
     id: str
@@ -582,6 +595,22 @@ CALL_ROWS = [
             r"device must be a torch\.device or a device string"),
     CallRow("deterministic-not-a-bool", lambda d: MagiMoE(CFG, deterministic="yes", device=d), TypeError,
             r"deterministic must be a bool"),
+    CallRow("preset-a-list", lambda d: preset(["tiny"]), TypeError,
+            r"preset name must be a str, one of \[.*\], got list \['tiny'\]"),
+    # what the layer hands on must be real and [S, H*Dh], whatever the implementation did
+    CallRow("forward-meta-layer-meta-x", lambda d: MagiMoE(CFG, device="meta")(
+        torch.empty(S, CFG.hidden_size, dtype=CFG.dtype, device="meta")), ValueError,
+        r"x is a meta tensor \(shape only, no data\)"),
+    CallRow("forward-meta-layer-real-x", lambda d: MagiMoE(CFG, device="meta")(
+        torch.randn(S, CFG.hidden_size, device=d).to(CFG.dtype)), ValueError,
+        r"the layer's weights are meta tensors \(no data\): load them first"),
+    CallRow("forward-returns-half-width", lambda d: MagiMoE(CFG, impl=HALF_WIDTH, device=d)(
+        torch.randn(S, CFG.hidden_size, device=d).to(CFG.dtype)), ValueError,
+        rf"impl 'half-width': its forward returned shape \({S}, {CFG.hidden_size // 2}\), "
+        rf"expected \({S}, {CFG.hidden_size}\)"),
+    CallRow("forward-returns-no-tensor", lambda d: MagiMoE(CFG, impl=RETURNS_NONE, device=d)(
+        torch.randn(S, CFG.hidden_size, device=d).to(CFG.dtype)), TypeError,
+        r"impl 'returns-none': its forward must return a torch\.Tensor of shape .*, got NoneType"),
     # contradictory options
     CallRow("deterministic-with-native", lambda d: MagiMoE(CFG, deterministic=True, impl="native", device=d),
             ValueError, r"impl: deterministic=True but 'native' does not declare 'deterministic'"),

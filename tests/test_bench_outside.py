@@ -231,3 +231,45 @@ def test_without_a_gpu_the_refusal_gives_the_cpu_command_for_the_impl(capsys):
     assert suggested[:3] == ["python", "-m", "magi_moe.bench"] and suggested[-2:] == ["--impl", EXAMPLE]
     args = parse_args(suggested[3:])  # the command it gives runs here
     assert [p.name for p in args.paths][-2:] == ["torch-einsum", "torch-einsum-layer"]
+
+
+def _new_fp32_tensor(x, table, weights, config, *, out):
+    """Wrong on purpose: right values, but in a new fp32 tensor; the caller's ``out`` is never
+    written."""
+    return expert_reference(x, table, weights, config, precision="fp32acc").float()
+
+
+@dataclasses.dataclass(frozen=True)
+class _RaisingSupports(Implementation):
+    def supports(self, config, dtype=None):
+        raise RuntimeError("supports exploded")
+
+
+IGNORES_OUT = Implementation("ignores-out", _new_fp32_tensor, ("cpu",), "bf16-fp32acc",
+                             description="test: returns a new fp32 tensor, out unwritten")
+RAISING_SUPPORTS = _RaisingSupports("raising-supports", _narrow, ("cpu",), "bf16-fp32acc",
+                                    description="test: supports() raises")
+
+
+def test_a_forward_that_leaves_out_unwritten_is_wrong_and_not_timed(capsys, tmp_path):
+    text, report = _run(capsys, "--impl", "tests.test_bench_outside:IGNORES_OUT", "--paths", "torch-bf16",
+                        json_path=tmp_path / "b.json", status=1)
+    assert _row(text, "ignores-out")[-1] == "WRONG"
+    assert ("ignores-out: WRONG, not timed: forward returned a new float32 tensor of shape (32, 64) "
+            "instead of out (bfloat16, (32, 64)); 2048 of out's 2048 elements left unwritten") in text
+    result = report["results"][0]
+    assert "ignores-out" not in result["timings"] and "torch-bf16" in result["timings"]
+    # its layer (magi-moe's module, which casts to x's dtype) is right and timed
+    assert result["parity"]["ignores-out-layer"]["status"] == "ok"
+    assert text.strip().splitlines()[-1] == "not timed: ignores-out WRONG at H=1,S=32"
+
+
+def test_a_raising_supports_is_reported_as_errored_not_a_traceback(capsys, tmp_path):
+    text, report = _run(capsys, "--impl", "tests.test_bench_outside:RAISING_SUPPORTS",
+                        "--paths", "torch-bf16", json_path=tmp_path / "b.json", status=1)
+    for name in ("raising-supports", "raising-supports-layer"):
+        assert _row(text, name)[-1] == "error"
+        assert f"{name}: error, not timed: supports() raised RuntimeError: supports exploded" in text
+    assert "torch-bf16" in report["results"][0]["timings"]
+    assert text.strip().splitlines()[-1] == (
+        "not timed: raising-supports error at H=1,S=32; raising-supports-layer error at H=1,S=32")

@@ -50,3 +50,54 @@ def test_invalid_field_raises_value_error_naming_it(change, message):
 def test_unknown_preset_lists_the_known_ones():
     with pytest.raises(ValueError, match="magi2-full"):
         preset("magi3")
+
+
+# -- docs/PLUGGING_IN.md's MoEConfig table, generated-checked against the dataclass -------------
+
+def _documented_fields() -> list[list[str]]:
+    """The rows of the table between the moeconfig-fields markers, as cells."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "PLUGGING_IN.md").read_text()
+    body = text.split("<!-- moeconfig-fields -->", 1)[1].split("<!-- /moeconfig-fields -->", 1)[0]
+    rows = [line.strip().strip("|").split("|") for line in body.strip().splitlines()[2:]]
+    return [[cell.strip().strip("`") for cell in row] for row in rows]
+
+
+def _documented_default(field) -> str:
+    import dataclasses
+
+    if field.default is dataclasses.MISSING:
+        return "required"
+    value = field.default
+    return f'"{value}"' if isinstance(value, str) else str(value)
+
+
+def test_the_plugging_in_table_lists_every_moeconfig_field_with_its_type_and_default():
+    import dataclasses
+
+    fields = dataclasses.fields(MoEConfig)
+    rows = _documented_fields()
+    assert [r[0] for r in rows] == [f.name for f in fields], "the table's fields, in order"
+    for row, field in zip(rows, fields):
+        annotation = field.type if isinstance(field.type, str) else field.type.__name__
+        expected_type = {"ScoreFunc": "str"}.get(annotation, annotation)
+        assert row[1] == expected_type, (field.name, row[1], annotation)
+        assert row[2] == _documented_default(field), (field.name, row[2])
+        assert row[3], f"{field.name} has no meaning in the table"
+
+
+def test_the_table_check_catches_a_field_the_docs_lack(monkeypatch):
+    """Planted drift: a field added to the dataclass and not to the table fails the check."""
+    import dataclasses
+
+    grown = dataclasses.make_dataclass("Grown", [("new_field", int, dataclasses.field(default=0))],
+                                       bases=(MoEConfig,), frozen=True)
+    monkeypatch.setitem(globals(), "MoEConfig", grown)
+    with pytest.raises(AssertionError, match="the table's fields"):
+        test_the_plugging_in_table_lists_every_moeconfig_field_with_its_type_and_default()
+
+
+def test_preset_refuses_a_name_that_is_not_a_string():
+    with pytest.raises(TypeError, match=r"preset name must be a str, one of \[.*\], got list \['tiny'\]"):
+        preset(["tiny"])

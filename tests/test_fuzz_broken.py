@@ -60,6 +60,9 @@ CATCHES = {
                                "torch-bf16"),
     "head_locality": Catch(f"{BROKEN}:reads_next_head", "when only other heads' inputs", "torch-bf16"),
     "linearity": Catch(f"{BROKEN}:weight_applied_twice", "did not double the output", "torch-bf16"),
+    # the other two row-isolation variants: tests/test_row_isolation.py
+    "row_isolation": Catch("magi_moe.tests.isolation_broken:per_expert_scale",
+                           "a poisoned row reached another token", "torch-bf16"),
     "empty_experts": Catch(f"{BROKEN}:empty_expert_garbage", "has no route", "torch-bf16"),
     "zero_tokens": Catch(f"{BROKEN}:no_routes_leaves_output_unwritten", "elements are NaN", "torch-bf16"),
     "deterministic": Catch("magi_moe.tests.outside_broken_kernels:WANDERING_SUM", "differs bitwise",

@@ -4,10 +4,12 @@ that replays it exactly; summary.json and junit.xml say so; the example database
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -225,3 +227,248 @@ def test_a_campaign_that_fuzzed_no_kernel_fails(tmp_path):
     allowed = subprocess.run(base + ["--out", str(tmp_path / "b"), "--allow-no-kernels"], cwd=REPO_ROOT,
                              env=child_env("cpu"), capture_output=True, text=True, timeout=600)
     assert allowed.returncode == 0, allowed.stdout[-3000:]
+
+
+# -- the backend, the targets, the database, the verdict (in process: quick) -------------------------
+CPU_ONLY = "magi_moe.tests.outside_broken:CONTENT_CHECKED_LAYER"  # plain torch, declares cpu only
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    from magi_moe.fuzz import campaign
+
+    monkeypatch.setattr(campaign, "_cuda_count", lambda: 0)
+
+
+def test_the_backend_is_one_the_implementation_declares_and_can_use_here(no_gpu, monkeypatch):
+    """An implementation that declares only cpu was once fuzzed on interpret (none of its
+    targets ran) and the campaign exited 0."""
+    from magi_moe import backends
+    from magi_moe.fuzz.campaign import choose_backend
+
+    assert choose_backend(None, [CPU_ONLY]) == ("cpu", None)
+    backend, why = choose_backend("interpret", [CPU_ONLY])
+    assert backend is None and why == ("--backend interpret: outside-content-checked-cache does not "
+                                       "declare it (it declares cpu)")
+    backend, why = choose_backend("cuda", [])
+    assert backend is None and why == "--backend cuda is not usable here: no CUDA GPU here"
+    monkeypatch.setattr(backends, "triton_installed", lambda: False)  # the [test] extra alone
+    assert choose_backend(None, []) == ("cpu", None)
+    backend, why = choose_backend(None, ["fused"])
+    assert backend is None and "no backend every implementation declares is usable here" in why
+    assert "fused declares interpret, cuda" in why
+
+
+def test_targets_are_found_by_their_mark_not_by_a_list(tmp_path):
+    """A new state machine is a marked test in a test_fuzz_*.py file: the campaign runs it and
+    --properties accepts its name; a file without a mark is not collected."""
+    from magi_moe.fuzz.campaign import DEFAULT_TESTS, STATE_MACHINES, campaign_test_files, machine_names
+
+    assert {"tests/test_fuzz_properties.py", "tests/test_fuzz_stateful.py"} <= {
+        f.replace("\\", "/").split("magi_moe/")[-1] for f in DEFAULT_TESTS}
+    assert "weight_swaps" in STATE_MACHINES
+    (tmp_path / "test_fuzz_newmachine.py").write_text(
+        "@fuzzers.campaign_target\n@pytest.mark.clause('history')\ndef test_serving_stream(impl_backend):\n    pass\n")
+    (tmp_path / "test_fuzz_unmarked.py").write_text("def test_x():\n    'campaign_target'\n")
+    (tmp_path / "test_fuzz_rows.py").write_text(
+        "@fuzzers.campaign_target(by_param='prop')\n@given(data=st.data())\ndef test_property(prop, data):\n    pass\n")
+    files = [Path(f).name for f in campaign_test_files(tmp_path)]
+    assert files == ["test_fuzz_newmachine.py", "test_fuzz_rows.py"]
+    assert machine_names(tmp_path) == ("serving_stream",)
+
+
+def test_each_implementation_set_has_its_own_directory_database(tmp_path):
+    """Two implementations' campaigns in one directory once shared .hypothesis/fuzz-db."""
+    import argparse
+
+    from magi_moe.fuzz.campaign import database_for
+
+    def db(impls, shared=False, spec=str(tmp_path / "db")):
+        return database_for(argparse.Namespace(db=spec, impl=impls, shared_db=shared))
+
+    assert db(["team:GOOD"]) != db(["team:BUGGY"])
+    assert db(["team:GOOD"]) == str(tmp_path / "db" / "team_GOOD")
+    assert db([]) == str(tmp_path / "db" / "all-declared")
+    assert db(["a", "b"]) == db(["b", "a"])
+    assert db(["team:GOOD"], shared=True) == str(tmp_path / "db")
+    assert db(["x"], spec="redis://host:6379/0") == "redis://host:6379/0"  # shared by design
+
+
+def _campaign_summary():
+    repro = "python -m magi_moe.fuzz replay '{}'"
+    return {"backend": "cpu", "targets": [
+        {"target": "t::diff", "outcome": "failed", "cases": 3, "rounds": 1, "impl": "team-good"},
+        {"target": "t::perm", "outcome": "passed", "cases": 9, "rounds": 2, "impl": "team-good"},
+        {"target": "t::det", "outcome": "skipped", "cases": 0, "rounds": 0,
+         "reason": "team-good does not declare deterministic", "skip_kind": "NOT DECLARED"},
+        {"target": "t::zero", "outcome": "passed", "cases": 0, "rounds": 0, "impl": "team-good"},
+        {"target": "t::swaps", "outcome": "passed", "cases": 4, "rounds": 1, "impl": "team-good"},
+    ], "failures": [
+        {"kind": "violation", "property": "differential", "nodeid": "t::diff", "message": "off by 1%",
+         "repro": repro, "impl": "team:GOOD", "backend": "cpu"},
+        {"kind": "crash", "property": "linearity", "nodeid": "fuzz/linearity::team:GOOD@cpu",
+         "message": "SIGSEGV", "repro": repro, "impl": "team:GOOD", "backend": "cpu"},
+    ]}
+
+
+def test_the_verdict_of_a_campaign_has_one_row_per_clause():
+    from magi_moe.fuzz.campaign_verdict import campaign_outcomes
+    from magi_moe.verdict import FAIL, NOT_DECLARED, NOT_RUN, PASS, verdict_rows
+
+    stats = {"t::diff": {"clause": "accuracy", "subject": "team-good@cpu"},
+             "t::perm": {"clause": "locality", "subject": "team-good@cpu"},
+             "t::det": {"clause": "determinism", "subject": "team-good@cpu"},
+             "t::zero": {"clause": "edge-shapes", "subject": "team-good@cpu"},
+             "t::swaps": {"clause": "weight-swaps", "subject": "team-good@cpu"}}
+    table = verdict_rows(campaign_outcomes(_campaign_summary(), stats))
+    rows = {r.clause.name: r for r in table["team-good@cpu"]}
+    assert rows["accuracy"].status == FAIL and rows["accuracy"].repro.startswith("python -m magi_moe.fuzz replay")
+    assert "off by 1%" in rows["accuracy"].detail
+    assert rows["locality"].status == PASS and rows["weight-swaps"].status == PASS
+    assert rows["determinism"].status == NOT_DECLARED
+    assert rows["edge-shapes"].status == NOT_RUN and "no time" in rows["edge-shapes"].detail
+    crash = {r.clause.name: r for r in table["team:GOOD@cpu"]}  # a record of no target: its property's clause
+    assert crash["locality"].status == FAIL and "SIGSEGV" in crash["locality"].detail
+
+
+def test_a_campaign_without_a_case_for_an_asked_implementation_fails():
+    """The campaign that fuzzed only magi-moe's router and none of the asked-for implementation."""
+    from magi_moe.fuzz.campaign import _impls_without_cases, _nothing_tested
+
+    summary = {"targets": [{"target": "tie", "impl": None, "cases": 40, "outcome": "passed"},
+                           {"target": "d", "impl": "outside-content-checked-cache", "cases": 0,
+                            "outcome": "skipped"}]}
+    assert _impls_without_cases([CPU_ONLY], summary) == [CPU_ONLY]
+    line = _nothing_tested(summary, [CPU_ONLY], "cpu")
+    assert line == (f"no case ran for {CPU_ONLY} on cpu: every target was skipped here (the verdict's "
+                    f"rows say why); nothing was tested")
+    summary["targets"][1].update(cases=5, outcome="passed")
+    assert _impls_without_cases([CPU_ONLY], summary) == []
+
+
+def test_a_shrink_stops_when_the_targets_share_is_spent():
+    """A failure found late in a target's share was shrunk for minutes past the budget; the
+    plugin now bounds the shrink, and the failure is still reported (shrunk as far as it got)."""
+    import time
+
+    from hypothesis import Phase, given, settings, strategies as st
+    from hypothesis.internal.conjecture import engine
+
+    from magi_moe.fuzz.hypothesis_internals import set_shrink_deadline
+
+    default = engine.MAX_SHRINKING_SECONDS
+
+    @settings(database=None, max_examples=5, derandomize=True, deadline=None, phases=tuple(Phase))
+    @given(st.lists(st.integers(0, 2**40), min_size=200, max_size=200))
+    def slow_to_shrink(xs):
+        time.sleep(0.06)  # a slow case: a full shrink takes over 20 s
+        assert sum(xs) < 0
+
+    try:
+        began = time.monotonic()
+        assert set_shrink_deadline(time.time() + 1.5, least=0.5)  # the deadline counts from now,
+        with pytest.raises(AssertionError):                     # not from when the shrink starts
+            slow_to_shrink()
+        assert time.monotonic() - began < 6  # unbounded: over 15 s
+    finally:
+        engine.MAX_SHRINKING_SECONDS = default
+
+
+# -- end to end, as an outside team runs it (slow tier) ------------------------------------------------
+def _fuzz(args, *, cwd, env=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "magi_moe.fuzz", *args], cwd=cwd, env=env or child_env("cpu"),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow  # about 60 s: two campaigns of 15 s and a replay
+def test_an_outside_team_fuzzes_its_cpu_implementation_and_reads_the_verdict(tmp_path):
+    """No --backend: a cpu-only implementation is fuzzed on cpu (it once got interpret, none of
+    its targets ran, and the campaign exited 0); the run ends with the per-clause verdict; a
+    wrong kernel fails with a replay line that reproduces the failure from where it was run."""
+    (tmp_path / "team.py").write_text((Path(__file__).parent / "outside_team_kernel.py").read_text())
+    props = ["--properties", "differential,empty_experts,zero_tokens,deterministic"]  # a quick share
+    good = _fuzz(["--impl", "team:GOOD", "--budget-seconds", "15", "--workers", "0", *props], cwd=tmp_path)
+    assert good.returncode == 0, good.stdout[-3000:] + good.stderr[-2000:]
+    assert "[fuzz] backend cpu, impl ['team:GOOD']" in good.stdout
+    assert "verdict (one row per contract clause)" in good.stdout and "team-good@cpu: PASS" in good.stdout
+    verdict = json.loads((tmp_path / "fuzz-out" / "verdict.json").read_text())
+    team = next(s for s in verdict["subjects"] if s["subject"] == "team-good@cpu")
+    statuses = {c["clause"]: c["status"] for c in team["clauses"]}
+    assert statuses["accuracy"] == "PASS" and statuses["determinism"] == "NOT DECLARED", statuses
+    assert (tmp_path / "fuzz-out" / "verdict.md").read_text().startswith("# magi-moe fuzz verdict (cpu)")
+
+    bad = _fuzz(["--impl", "team:BUGGY", "--budget-seconds", "15", "--workers", "0", "--out", "bad", *props],
+                cwd=tmp_path)
+    assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-2000:]
+    assert "team-buggy@cpu: FAIL" in bad.stdout
+    assert (tmp_path / ".hypothesis" / "fuzz-db" / "team_BUGGY").is_dir()  # not team:GOOD's database
+    summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    found = next(f for f in summary["failures"] if f["kind"] == "violation")
+    command = shlex.split(found["repro"])
+    assert command[:4] == ["python", "-m", "magi_moe.fuzz", "replay"], command[:4]
+    replay = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=child_env("cpu"),
+                            capture_output=True, text=True, timeout=300)
+    assert replay.returncode == 1, replay.stdout[-2000:] + replay.stderr[-2000:]
+    assert f"FAIL: {found['property']} violated by team:BUGGY@cpu" in replay.stdout, replay.stdout[-2000:]
+
+
+@pytest.mark.slow  # about 15 s
+def test_the_weight_swap_machine_runs_from_the_test_extra_without_triton(tmp_path):
+    """With the [test] extra alone (no triton) the weight-swap machine was skipped at collection,
+    so a campaign over a layer with a weight cache never ran it and exited 0."""
+    hide = tmp_path / "no-triton"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text('import sys\nsys.modules["triton"] = None  # as if not installed\n')
+    env = child_env("cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(hide), env["PYTHONPATH"]])
+    proc = _fuzz(["--impl", CPU_ONLY, "--properties", "weight_swaps", "--budget-seconds", "8", "--workers", "0",
+                  "--out", str(tmp_path / "out"), "--db", str(tmp_path / "db")], cwd=REPO_ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rows = [r for r in summary["targets"] if "test_weight_swaps" in r["target"]]
+    assert len(rows) == 1 and rows[0]["cases"] > 0 and rows[0]["outcome"] == "passed", summary["targets"]
+    assert "weight-swaps  PASS" in proc.stdout
+
+
+@pytest.mark.slow  # about 35 s
+def test_a_campaign_that_finds_a_failure_keeps_its_budget_and_every_target_gets_time(tmp_path):
+    """A failing target once shrank past the hard limit (reported unshrunk after 125 s of a 90 s
+    budget) and the targets after it got no case."""
+    budget, grace = 20, 5
+    proc = _fuzz(["--impl", "magi_moe.tests.fuzz_broken:empty_expert_garbage",
+                  "--properties", "empty_experts,differential,zero_tokens", "--budget-seconds", str(budget),
+                  "--grace-seconds", str(grace), "--workers", "0", "--seed", "5",
+                  "--out", str(tmp_path / "out"), "--db", str(tmp_path / "db")], cwd=REPO_ROOT)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert any(f["property"] == "empty_experts" for f in summary["failures"]), summary["failures"]
+    assert summary["wall_seconds"] <= budget + grace, summary["wall_seconds"]
+    assert summary["targets_without_time"] == [] and all(r["cases"] > 0 for r in summary["targets"])
+
+
+def test_a_skip_before_a_stop_still_reads_as_a_skip(tmp_path):
+    """pytest stopped at the hard limit writes no junit.xml: the targets it had skipped (an
+    undeclared capability) were once listed as "not run" and the verdict said they got no time."""
+    import argparse
+
+    from magi_moe.fuzz.campaign import _summary, write_fallback_junit
+    from magi_moe.fuzz.campaign_verdict import campaign_outcomes
+    from magi_moe.verdict import NOT_DECLARED, verdict_rows
+
+    node = "tests/test_fuzz_properties.py::test_property[deterministic-team-good@cpu]"
+    for sub in ("failures", "stats", "skips"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "targets.json").write_text(json.dumps({"targets": [node], "collected": [node], "rows": {
+        node: {"property": "deterministic", "impl": "team-good", "clause": "determinism",
+               "subject": "team-good@cpu"}}}))
+    (tmp_path / "skips" / "d.json").write_text(json.dumps(
+        {"nodeid": node, "reason": "team-good does not declare deterministic", "kind": NOT_DECLARED}))
+    write_fallback_junit(tmp_path)
+    args = argparse.Namespace(impl=["team:GOOD"], profile="nightly", workers=0, db=str(tmp_path / "db"),
+                              replay_only=False, budget_seconds=10.0)
+    summary = _summary(args, backend="cpu", seed=1, start=0.0, returncode=-15, out=tmp_path,
+                       order={}, replayed={})
+    row = summary["targets"][0]
+    assert row["outcome"] == "skipped" and row["impl"] == "team-good" and summary["targets_without_time"] == []
+    rows = verdict_rows(campaign_outcomes(summary, json.loads((tmp_path / "targets.json").read_text())["rows"]))
+    assert [(r.clause.name, r.status) for r in rows["team-good@cpu"]] == [("determinism", NOT_DECLARED)]

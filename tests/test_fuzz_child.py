@@ -112,7 +112,16 @@ def test_the_default_cap_is_below_the_machine_and_configurable(monkeypatch):
     monkeypatch.setenv(CHILD_MEMORY_ENV, "1.5")
     assert default_memory_cap() == int(1.5 * GIB)
     monkeypatch.setenv(CHILD_MEMORY_ENV, "lots")
-    with pytest.raises(ValueError, match=f"{CHILD_MEMORY_ENV} must be a number of GiB > 0, got 'lots'"):
+    with pytest.raises(ValueError, match=f"{CHILD_MEMORY_ENV} must be a finite number of GiB > 0, got 'lots'"):
+        default_memory_cap()
+
+
+@pytest.mark.parametrize("given", ["inf", "nan", "-2", "0"])
+def test_a_cap_that_is_no_finite_size_is_refused_in_one_line(given, monkeypatch):
+    """inf once overflowed int() inside a case and was filed as a finding against the
+    implementation; the variable is refused before any child starts."""
+    monkeypatch.setenv(CHILD_MEMORY_ENV, given)
+    with pytest.raises(ValueError, match=f"{CHILD_MEMORY_ENV} must be a finite number of GiB > 0"):
         default_memory_cap()
 
 

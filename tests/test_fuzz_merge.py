@@ -41,3 +41,33 @@ def test_merge_refuses_what_is_not_a_summary(tmp_path, capsys):
     assert main(["merge", str(tmp_path / "x"), "--out", str(tmp_path / "m")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "OUT must be a campaign's --out directory" in err
+
+
+def test_merge_refuses_one_campaign_given_twice(tmp_path, capsys):
+    """``merge a a`` (or a copy of a) once counted one campaign as two machines and exited 0."""
+    a = _summary(tmp_path / "a", targets=[("t1", "passed", 3, 1)])
+    copy = tmp_path / "copy.json"
+    copy.write_text((a / "summary.json").read_text())
+    for twice in ([str(a), str(a)], [str(a), str(a / "summary.json")], [str(a), str(copy)]):
+        assert main(["merge", *twice, "--out", str(tmp_path / "m")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "is the same campaign as" in err, err
+    assert not (tmp_path / "m").exists()
+
+
+def test_merge_refuses_a_summary_whose_targets_are_not_rows(tmp_path, capsys):
+    a = _summary(tmp_path / "a", targets=[("t1", "passed", 3, 1)])
+    data = json.loads((a / "summary.json").read_text())
+    data["targets"] = {"t1": data["targets"][0]}
+    (a / "summary.json").write_text(json.dumps(data))
+    assert main(["merge", str(a), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'targets' must be a list of objects, got dict" in err, err
+
+
+def test_merge_refuses_an_out_under_a_file_before_reading_any_input(tmp_path, capsys):
+    (tmp_path / "plain").write_text("x")
+    missing = tmp_path / "never-written"  # unread: the --out check comes first
+    assert main(["merge", str(missing), "--out", str(tmp_path / "plain" / "m")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--out must be a directory" in err and "is a file" in err, err

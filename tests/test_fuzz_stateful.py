@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
@@ -16,16 +15,21 @@ from magi_moe.fuzz import fuzzers, profiles
 from magi_moe.fuzz.stateful import (AUDIT_ROUTES, CHANGES, EXPERT_PARAMS, layer_factory_for,
                            weight_swap_machine)
 from magi_moe.config import preset
-from magi_moe.tests.fuzz_broken import snapshot_cache_layer
+try:  # the toy caches live beside Triton kernels; the machine on an implementation's own layer
+    from magi_moe.tests.fuzz_broken import snapshot_cache_layer  # (test_weight_swaps) needs none
+except ImportError:  # the [test] extra without [triton]
+    snapshot_cache_layer = None
+needs_toy = pytest.mark.skipif(snapshot_cache_layer is None, reason="needs triton (the [triton] extra)")
 
 CONFIG = preset("tiny")
 # What each cache packs (a change elsewhere must not repack): the fused bank holds gate and up.
 PACKED = {"fused": ("W_gate", "W_up")}
 
-TestSnapshotCacheSwaps = weight_swap_machine(snapshot_cache_layer, config=CONFIG).TestCase
-# The correct toy cache, ten steps a run (the stale one's control, tests/test_fuzz_broken.py,
-# runs twenty): every step rebuilds and checks the layer, 0.1 s each on the CPU.
-TestSnapshotCacheSwaps.settings = settings(profiles.examples(1.0), stateful_step_count=10)
+if snapshot_cache_layer is not None:
+    TestSnapshotCacheSwaps = weight_swap_machine(snapshot_cache_layer, config=CONFIG).TestCase
+    # The correct toy cache, ten steps a run (the stale one's control, tests/test_fuzz_broken.py,
+    # runs twenty): every step rebuilds and checks the layer, 0.1 s each on the CPU.
+    TestSnapshotCacheSwaps.settings = settings(profiles.examples(1.0), stateful_step_count=10)
 
 
 @fuzzers.campaign_target
@@ -38,6 +42,7 @@ def test_weight_swaps(impl_backend):
     run_state_machine_as_test(machine, settings=settings(profiles.examples(0.5), stateful_step_count=10))
 
 
+@needs_toy
 def test_machine_rejects_bad_arguments():
     with pytest.raises(TypeError, match="make_layer"):
         weight_swap_machine(None, config=CONFIG)
@@ -51,6 +56,7 @@ def test_machine_rejects_bad_arguments():
         weight_swap_machine(snapshot_cache_layer, config=CONFIG, precision="fp8")
 
 
+@needs_toy
 def test_every_spec_change_route_is_a_rule():
     machine = weight_swap_machine(snapshot_cache_layer, config=CONFIG)
     rules = {r.function.__name__ for r in machine.setup_state().rules}
@@ -65,3 +71,25 @@ def test_layer_factory_builds_the_implementations_own_layer():
     layer = make(CONFIG, draw_state(CONFIG, 0, "cpu"), "cpu")
     assert type(layer).__name__ == "MagiMoE" and layer.impl.name == "reference"
     assert set(AUDIT_ROUTES) <= set(CHANGES) and set(AUDIT_ROUTES.values()) <= set(ROUTES)
+
+
+# -- serving streams (fuzz.serving): the history clause's campaign target -------------------------
+@fuzzers.campaign_target
+@pytest.mark.slow  # the quick tier's history rows are tests/test_history.py's few-step streams
+@pytest.mark.clause("history")
+def test_serving_stream(impl_backend, request):
+    """Longer serving streams on the implementation's own layer and its kernel entry, token
+    counts up to the loaded profile's size budget (campaigns: their --size-budget)."""
+    from magi_moe.fuzz.serving import (layer_judged_elsewhere, serving_kernel_machine,
+                                       serving_layer_machine)
+
+    target = fuzzers.pytest_target(impl_backend, "differential")
+    config, device = target.impl.fit(CONFIG), target.device  # sizes: fuzz.serving.stream_budget
+    steps = settings(profiles.examples(0.25), stateful_step_count=8)
+    run_state_machine_as_test(serving_kernel_machine(target.impl, config=config, device=device),
+                              settings=steps)
+    if layer_judged_elsewhere(target.impl, target.backend.name) and not request.config.getoption("--impl"):
+        return
+    run_state_machine_as_test(serving_layer_machine(target.impl, config=config, device=device,
+                                                    packed=PACKED.get(target.impl.name, EXPERT_PARAMS)),
+                              settings=steps)

@@ -28,6 +28,8 @@ SMALL = preset("small")
     (lambda: configs(score_funcs=["relu"]), "score_funcs"),
     (lambda: token_counts("tiny"), "config"),
     (lambda: token_counts(TINY, min_tokens=-1), "min_tokens"),
+    (lambda: configs(min_heads=0), "min_heads"),
+    (lambda: configs(min_heads=Limits(1).max_heads + 1), "min_heads"),
     (lambda: routing_specs(TINY, kinds=["sideways"]), "kinds"),
     (lambda: value_specs(num_tokens=-3), "num_tokens"),
     (lambda: expert_cases(routing_kinds=[]), "routing_kinds"),
@@ -227,3 +229,10 @@ def test_every_property_draws_inside_the_declared_shapes_and_dtypes(name):
 
     draw()
     assert drawn
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(min_heads=2))
+def test_configs_draw_at_least_min_heads(cfg):
+    """head_locality's cases: a head with no neighbour has nothing to be isolated from."""
+    assert cfg.num_heads >= 2

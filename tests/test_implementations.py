@@ -46,7 +46,7 @@ def test_block_boundary_token_counts(impl_backend, num_tokens):
     out = run_poisoned(impl_backend.impl, problem)
     assert out.shape == (num_tokens, cfg.hidden_size)
     v = judge(out, problem, impl_backend.impl)
-    assert v.ok, v.text
+    v.require()  # typed: an inaccuracy counts under accuracy
 
 
 @pytest.mark.clause("edge-shapes")
@@ -58,7 +58,7 @@ def test_all_tokens_on_one_expert(impl_backend):
     problem = problem.with_routes(routes_to(ids.to(impl_backend.device), cfg, seed=7))
     assert int(problem.table.counts().max()) == S
     v = judge(run_poisoned(impl_backend.impl, problem), problem, impl_backend.impl)
-    assert v.ok, v.text
+    v.require()  # typed: an inaccuracy counts under accuracy
 
 
 @pytest.mark.clause("edge-shapes")
@@ -73,7 +73,7 @@ def test_many_empty_experts(impl_backend):
     problem = problem.with_routes(routes_to(ids.to(impl_backend.device), cfg, seed=3))
     assert int((problem.table.counts() == 0).sum()) >= 2 * 64 - 6
     v = judge(run_poisoned(impl_backend.impl, problem), problem, impl_backend.impl)
-    assert v.ok, v.text
+    v.require()  # typed: an inaccuracy counts under accuracy
 
 
 @pytest.mark.clause("edge-shapes")
@@ -87,7 +87,7 @@ def test_strided_input_rows(impl_backend):
                             problem.weights, problem.routes, problem.table)
     assert strided.x.stride(0) != cfg.hidden_size
     v = judge(run_poisoned(impl_backend.impl, strided), problem, impl_backend.impl)
-    assert v.ok, v.text
+    v.require()  # typed: an inaccuracy counts under accuracy
 
 
 @functools.lru_cache(maxsize=2)

@@ -59,14 +59,16 @@ MISSED, ALL_CAUGHT = 10, 11  # child exit codes; a crash (negative code) also co
 
 
 def check_mutant(source_path: str, device: str) -> None:
-    """Child-process body: run both kernel variants of the mutant through the accuracy judge.
-    Exits MISSED if any variant passes it, ALL_CAUGHT if the check rejects both."""
+    """Child-process body: run both kernel variants of the mutant through the accuracy judge,
+    each of them whatever the other did, one line each. Exits MISSED if any variant passes it,
+    ALL_CAUGHT if the check rejects both."""
     spec = importlib.util.spec_from_file_location(pathlib.Path(source_path).stem, source_path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # Triton's jit looks the module up for the kernel's globals
     spec.loader.exec_module(module)
     # Large weights put the gate pre-activations on both sides of the SwiGLU7 clamp at 7.
     problem = random_problem(preset("tiny"), 70, seed=31, device=device, x_std=4.0, weight_std=0.3)
+    missed = False
     for deterministic in (False, True):
         def forward(x, table, weights, config, *, out):
             return module.native_forward(x, table, weights, config, deterministic=deterministic, out=out)
@@ -77,8 +79,8 @@ def check_mutant(source_path: str, device: str) -> None:
             print(f"deterministic={deterministic}: caught: {verdict.text[:300]}", flush=True)
         else:
             print(f"deterministic={deterministic}: MISSED", flush=True)
-            sys.exit(MISSED)
-    sys.exit(ALL_CAUGHT)
+            missed = True
+    sys.exit(MISSED if missed else ALL_CAUGHT)
 
 
 def run_child(path: pathlib.Path, device: str):
@@ -106,8 +108,11 @@ def test_a_broken_native_kernel_is_caught(tmp_path, name, original, mutated):
 
 @pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
 def test_the_unmutated_kernel_passes_the_same_check(tmp_path):
-    """Guards the harness itself: with no mutation both variants must pass in the child."""
+    """Guards the harness itself: with no mutation both variants (atomic and deterministic) must
+    run and pass in the child."""
     backend = kernel_backend()
     child = run_child(write_mutant(tmp_path, "none", "acc = acc * probs[:, None]",
                                    "acc = acc * probs[:, None]"), backend.device)
-    assert child.returncode == MISSED and child.stdout.count("MISSED") == 1, child.stderr[-2000:]
+    passed = [f"deterministic={d}: MISSED" for d in (False, True)]
+    assert child.returncode == MISSED and all(line in child.stdout for line in passed), \
+        f"{child.stdout}\n{child.stderr[-2000:]}"

@@ -112,7 +112,7 @@ def test_protocol_writes_zeros_where_nothing_is_routed(impl_backend):
     assert unrouted.any()
     assert (out.view(40, cfg.num_heads, cfg.head_dim)[unrouted] == 0).all()
     v = judge(out, problem, impl_backend.impl)
-    assert v.ok, v.text
+    v.require()  # typed: an inaccuracy counts under accuracy
 
 
 @pytest.mark.needs("deterministic")

@@ -15,6 +15,7 @@ from magi_moe.audit.router_judge import RouterVerdict, judge_router_call
 from magi_moe.audit.router_probes import ROUTER_PROBES, router_probe
 from magi_moe.config import MoEConfig, preset
 from magi_moe.implementation import Implementation
+from magi_moe.verdict import unsupported
 
 ROUTER_CONFIGS = {
     "sigmoid": preset("tiny"),                                                  # L1 norm, scale 2.5
@@ -30,7 +31,7 @@ def router_config(impl: Implementation, name: str) -> MoEConfig:
     config = impl.shapes.nearest(ROUTER_CONFIGS[name].replace(dtype=impl.dtypes[0]))
     why = impl.supports(config)
     if why:
-        pytest.skip(f"unsupported: {why}")
+        pytest.skip(unsupported(f"unsupported: {why}"))
     return config
 
 

@@ -338,3 +338,77 @@ def test_a_bare_pytest_loads_the_teams_module_from_its_directory(tmp_path):
                            "-p", "no:cacheprovider", "--allow-vacuous", "--impl", "team_module:IMPL"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+# -- a team module that raises at import -----------------------------------------------------------
+
+# Not an ImportError: the module itself fails (no GPU on this machine, a typo in the file).
+RAISING_MODULES = {
+    "team_no_gpu": ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+    "team_typo": ("def forward(:\n    pass\n", "SyntaxError: "),
+}
+
+
+@pytest.fixture
+def raising_module(tmp_path, monkeypatch, request):
+    """A team module in the current directory that raises when imported; yields (spec, says)."""
+    name = request.param
+    source, says = RAISING_MODULES[name]
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return f"{name}:IMPL", says
+
+
+def _load_failure(line: str, spec: str, says: str) -> None:
+    assert f"cannot load implementation {spec!r}" in line and says in line, line
+
+
+@pytest.mark.parametrize("raising_module", sorted(RAISING_MODULES), indirect=True)
+def test_a_module_raising_at_import_is_one_line_for_check(capsys, raising_module):
+    spec, says = raising_module
+    line = refused(capsys, lambda: cli.main(["check", spec, "--backend", "cpu"]))
+    assert line.startswith("magi-moe check: --impl:")
+    _load_failure(line, spec, says)
+
+
+@pytest.mark.parametrize("raising_module", sorted(RAISING_MODULES), indirect=True)
+def test_a_module_raising_at_import_is_one_line_for_audit(capsys, raising_module):
+    spec, says = raising_module
+    _load_failure(refused(capsys, lambda: cli.main(["audit", "--impl", spec])), spec, says)
+
+
+@pytest.mark.parametrize("raising_module", sorted(RAISING_MODULES), indirect=True)
+def test_a_module_raising_at_import_is_one_line_for_fuzz(capsys, raising_module, tmp_path):
+    spec, says = raising_module
+    line = refused(capsys, lambda: cli.main(["fuzz", "--impl", spec, "--out", "out"]))
+    _load_failure(line, spec, says)
+    assert not (tmp_path / "out").exists(), "work started before the arguments were checked"
+
+
+@pytest.mark.parametrize("raising_module", sorted(RAISING_MODULES), indirect=True)
+def test_a_module_raising_at_import_is_one_line_for_bench(capsys, raising_module):
+    from magi_moe.bench.__main__ import main as bench_main
+
+    spec, says = raising_module
+    line = refused(capsys, lambda: bench_main(["--device", "cpu", "--impl", spec]))
+    _load_failure(line, spec, says)
+
+
+def test_a_factory_raising_is_one_line(capsys, tmp_path, monkeypatch):
+    (tmp_path / "team_factory.py").write_text(
+        "def make():\n    raise RuntimeError('CUDA driver not found\\nsecond line')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = refused(capsys, lambda: cli.main(["check", "team_factory:make", "--backend", "cpu"]))
+    assert "its factory raised RuntimeError: CUDA driver not found" in line
+
+
+def test_the_console_prints_one_line_for_a_module_raising_at_import(tmp_path):
+    """The whole console script: no traceback, exit 2."""
+    (tmp_path / "team_kernel.py").write_text("raise RuntimeError('no GPU here')\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "magi_moe.cli", "check", "team_kernel:IMPL"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "raised RuntimeError: no GPU here" in one_line(proc.stderr)

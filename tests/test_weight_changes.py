@@ -67,7 +67,7 @@ def test_layer_follows_the_weight_change(impl_backend, route, request):
 
 def test_a_layer_wrong_from_the_start_is_an_accuracy_failure():
     """A kernel that is simply wrong fails every route before any change: that is the accuracy
-    judge's finding, worded so that the verdict moves it under accuracy (magi_moe.verdict)."""
+    judge's finding, typed so that the verdict moves it under accuracy (magi_moe.verdict)."""
     import dataclasses
 
     from magi_moe import verdict as V
@@ -78,15 +78,17 @@ def test_a_layer_wrong_from_the_start_is_an_accuracy_failure():
         return out.add_(1)
 
     wrong = dataclasses.replace(TORCH_BF16, name="wrong-from-the-start", forward=off_by_one)
-    why_not, bad = route_failures(wrong, "cpu", "in_place")
-    assert why_not is None and len(bad) == 1, (why_not, bad)
-    assert V._INACCURATE.search(bad[0]), bad[0]
-    outcomes = [V.Outcome("wrong@cpu", "accuracy", "failed", "t1", "FAILED on bounds", "r1"),
-                V.Outcome("wrong@cpu", "weight-change/in_place", "failed", "t2", bad[0], "r2")]
+    with pytest.raises(V.LayerWrongFromTheStart) as wrong_first:  # the type, whatever the words
+        route_failures(wrong, "cpu", "in_place")
+    cause = V.cause_of(wrong_first.value)
+    assert cause == V.WRONG_FROM_THE_START
+    outcomes = [V.Outcome("wrong@cpu", "accuracy", V.Status.FAIL, "t1", "FAILED on bounds", "r1"),
+                V.Outcome("wrong@cpu", "weight-change/in_place", V.Status.FAIL, "t2",
+                          str(wrong_first.value), "r2", cause=cause)]
     rows = {r.clause.name: r for r in V.verdict_rows(outcomes)["wrong@cpu"]}
     assert rows["accuracy"].failed == 2 and rows["weight-change/in_place"].status == V.NOT_RUN
     # a right kernel in a wrong layer: the layer's inaccuracy, still one row, under accuracy
-    outcomes[0] = V.Outcome("wrong@cpu", "accuracy", "passed", "t1")
+    outcomes[0] = V.Outcome("wrong@cpu", "accuracy", V.Status.PASS, "t1")
     rows = {r.clause.name: r for r in V.verdict_rows(outcomes)["wrong@cpu"]}
     accuracy = rows["accuracy"]
     assert (accuracy.status, accuracy.failed, accuracy.passed) == (V.FAIL, 1, 1)

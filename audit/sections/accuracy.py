@@ -13,6 +13,8 @@ from magi_moe.problems import run_poisoned
 from ..bounds import compute_error_bounds
 from ..judge import judge
 from ..probes import probe_problem
+from magi_moe.verdict import unsupported
+
 from ..rows import FAIL, PASS, SKIP, Row
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ def run(audit: Audit) -> Iterator[Row]:
     for impl in audit.selected_impls():
         why = audit.runnable_here(impl)
         if why:
-            yield Row(SECTION, impl.name, SKIP, why)
+            yield Row(SECTION, impl.name, SKIP, why, impl=impl.name)
         else:
             runnable.append(impl)
     for preset_name in audit.options.resolved_presets():
@@ -39,7 +41,8 @@ def run(audit: Audit) -> Iterator[Row]:
             config = impl.shapes.nearest(preset(preset_name))
             why = impl.supports(config)
             if why:
-                yield Row(SECTION, f"{impl.name} @ {preset_name}", SKIP, f"unsupported: {why}")
+                yield Row(SECTION, f"{impl.name} @ {preset_name}", SKIP,
+                          unsupported(f"unsupported: {why}"), impl=impl.name)
                 continue
             groups.setdefault(config, []).append(impl)
         for config, here in groups.items():
@@ -72,7 +75,7 @@ def _check_bounds(audit: Audit, impl, problem, bounds, base_out, preset_name, pr
     try:
         out = run_poisoned(impl, problem)
     except Exception as exc:  # noqa: BLE001 -- a crash is a finding
-        return Row(SECTION, subject, FAIL, f"{type(exc).__name__}: {exc}")
+        return Row(SECTION, subject, FAIL, f"{type(exc).__name__}: {exc}", impl=impl.name)
     seconds = time.perf_counter() - start
     verdict = judge(out, problem, impl, bounds=bounds, baseline=base_out)
     report = verdict.bound_report
@@ -93,4 +96,4 @@ def _check_bounds(audit: Audit, impl, problem, bounds, base_out, preset_name, pr
             result += f"; {faithful.figures['within_one_ulp']:.2%} within one ulp of its emulation"
     if not verdict.ok:
         result += f" -- FAILED on {verdict.criterion}: {verdict.deciding.text}"
-    return Row(SECTION, subject, PASS if verdict.ok else FAIL, result, data)
+    return Row(SECTION, subject, PASS if verdict.ok else FAIL, result, data, impl=impl.name)

@@ -9,6 +9,8 @@ from magi_moe.config import preset
 from magi_moe.layer import MagiMoE
 
 from ..cache import draw_state
+from magi_moe.verdict import not_declared, not_run, unsupported
+
 from ..rows import FAIL, INFO, PASS, SKIP, Row
 from .streaming import rows_as_found
 
@@ -25,12 +27,15 @@ def discipline(audit: Audit) -> Iterator[Row]:
             continue
         why = impl.supports(problem.config)
         if why:
-            yield Row("discipline", impl.name, SKIP, f"unsupported: {why}")
+            yield Row("discipline", impl.name, SKIP, unsupported(f"unsupported: {why}"),
+                      impl=impl.name)
             continue
         report = audit_discipline(impl, problem)
-        status = (PASS if report.ok else FAIL) if report.declares_no_host_sync else INFO
+        declared = report.declares_no_host_sync
+        status = (PASS if report.ok else FAIL) if declared else INFO
         yield Row("discipline", impl.name, status, report.summary().split(": ", 1)[1],
-                  report.to_dict())
+                  report.to_dict(), impl=impl.name,
+                  skip=None if declared else not_declared("does not declare no_host_sync"))
     config = problem.config
     state = draw_state(config, audit.options.seed, audit.device)
     own_layer = lambda impl: impl.layer(config, state, audit.device)  # noqa: E731
@@ -40,14 +45,16 @@ def discipline(audit: Audit) -> Iterator[Row]:
                 lambda impl=impl: own_layer(impl), num_tokens=problem.num_tokens,
                 seed=audit.options.seed, label=f"{impl.name}.layer()", config=config)
             yield Row("discipline", report.label, PASS if report.ok else FAIL,
-                      report.summary().split(": ", 1)[1], report.to_dict())
-    factories = {"MagiMoE(default dispatch)": lambda: MagiMoE(config, device=audit.device)}
+                      report.summary().split(": ", 1)[1], report.to_dict(), impl=impl.name)
+    # label: (factory, the implementation judged; None for magi-moe's own layer)
+    factories = {"MagiMoE(default dispatch)": (lambda: MagiMoE(config, device=audit.device), None)}
     for impl in audit.selected_impls():
         if "weight_cache" in impl.capabilities and not audit.runnable_here(impl):
-            factories[f"{impl.name}.layer()"] = lambda impl=impl: own_layer(impl)
-    for label, factory in factories.items():
+            factories[f"{impl.name}.layer()"] = (lambda impl=impl: own_layer(impl), impl.name)
+    for label, (factory, name) in factories.items():
         report = audit_compile(factory, label=label, seed=audit.options.seed, config=config)
-        yield Row("compile", label, PASS if report.ok else FAIL, report.detail)
+        yield Row("compile", label, PASS if report.ok else FAIL, report.detail, impl=name,
+                  clause="compile")
 
 
 def graphs(audit: Audit) -> Iterator[Row]:
@@ -65,9 +72,12 @@ def graphs(audit: Audit) -> Iterator[Row]:
 
         def row(r, impl=impl):
             # a layer whose forward cannot be captured at all is reported, not failed
-            status = INFO if r.detail.startswith("capture failed") else (PASS if r.ok else FAIL)
-            return Row("graphs", f"{impl.name}: {r.route}/{r.parameter}", status,
-                       f"{r.status} (promised {r.promised}): {r.detail}", r.to_dict())
+            refused = r.detail.startswith("capture failed")
+            status = INFO if refused else (PASS if r.ok else FAIL)
+            result = f"{r.status} (promised {r.promised}): {r.detail}"
+            return Row("graphs", f"{impl.name}: {r.route}/{r.parameter}", status, result,
+                       r.to_dict(), impl=impl.name, clause=f"cuda-graph/{r.route}",
+                       skip=not_run(f"cannot be captured: {result}") if refused else None)
 
         yield from rows_as_found(
             lambda on_result, impl=impl: audit_graph_replay(

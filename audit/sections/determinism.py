@@ -11,6 +11,8 @@ from magi_moe.problems import cancelling_problem
 from ..cache import draw_state
 from ..determinism import audit_determinism, audit_layer_determinism
 from ..probes import probe_problem
+from magi_moe.verdict import not_declared
+
 from ..rows import FAIL, INFO, PASS, SKIP, Row
 
 if TYPE_CHECKING:
@@ -31,29 +33,31 @@ def run(audit: Audit) -> Iterator[Row]:
         config = impl.shapes.nearest(problem.config)  # inside the declared shapes
         why = audit.runnable_here(impl) or impl.supports(config)
         if why:
-            yield Row(SECTION, impl.name, SKIP, why)
+            yield Row(SECTION, impl.name, SKIP, why, impl=impl.name)
             continue
         mine = problem if config == problem.config else probe_problem(
             "random", config, problem.num_tokens, seed=o.seed, device=audit.device)
         report = audit_determinism(impl, mine, runs=runs)
-        yield _row(impl.name, report, runs)
+        yield _row(impl, impl.name, report, runs)
         cancelling = cancelling_problem(config, max(64, problem.num_tokens // 4), seed=o.seed,
                                         device=audit.device)
         if impl.supports(cancelling.config) is None:  # where a changing sum order shows
             report = audit_determinism(impl, cancelling, runs=runs,
                                        label=f"{impl.name} (cancelling sums)")
-            yield _row(report.label, report, runs)
+            yield _row(impl, report.label, report, runs)
         if impl.deterministic:  # the implementation's own layer: routing, cache and kernels
             layer = impl.layer(config, draw_state(config, o.seed, audit.device), audit.device)
             report = audit_layer_determinism(layer, mine.x, runs=runs, declared=True,
                                              label=f"{impl.name}.layer()")
-            yield _row(report.label, report, runs)
+            yield _row(impl, report.label, report, runs)
 
 
-def _row(subject: str, report, runs: int) -> Row:
-    status = (PASS if report.ok else FAIL) if report.declared_deterministic else INFO
+def _row(impl, subject: str, report, runs: int) -> Row:
+    declared = report.declared_deterministic
+    status = (PASS if report.ok else FAIL) if declared else INFO
     return Row(SECTION, subject, status,
                f"{report.differing}/{report.elements} elements differ over {runs} runs "
                f"(max |diff| {report.max_abs_spread:.3g})"
-               + ("" if report.declared_deterministic else "; not declared deterministic"),
-               report.to_dict())
+               + ("" if declared else "; not declared deterministic"),
+               report.to_dict(), impl=impl.name,
+               skip=None if declared else not_declared("does not declare deterministic"))

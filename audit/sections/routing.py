@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator
 
 from magi_moe.config import preset
+from magi_moe.verdict import unsupported
 
 from ..router_judge import judge_router_call
 from ..router_probes import ROUTER_PROBES, router_probe
@@ -28,7 +29,7 @@ def run(audit: Audit) -> Iterator[Row]:
     for impl in audit.selected_impls():
         why = audit.runnable_here(impl)
         if why:
-            yield Row(SECTION, impl.name, SKIP, why)
+            yield Row(SECTION, impl.name, SKIP, why, impl=impl.name)
             continue
         for preset_name in o.resolved_presets():
             for score_func in ("sigmoid", "softmax"):
@@ -36,7 +37,8 @@ def run(audit: Audit) -> Iterator[Row]:
                 config = impl.shapes.nearest(preset(preset_name).replace(score_func=score_func))
                 why = impl.supports(config)
                 if why:
-                    yield Row(SECTION, subject, SKIP, f"unsupported: {why}")
+                    yield Row(SECTION, subject, SKIP, unsupported(f"unsupported: {why}"),
+                              impl=impl.name)
                     continue
                 # head locality on the first and last head: each one is a rerun of the router
                 heads = tuple(sorted({0, config.num_heads - 1}))
@@ -55,9 +57,10 @@ def run(audit: Audit) -> Iterator[Row]:
                         first = next(c for c in verdict.checks if not c.ok)
                         failures.append(f"{probe}: {', '.join(verdict.failed)} ({first.text})")
                 if failures:
-                    yield Row(SECTION, subject, FAIL, "; ".join(failures), data)
+                    yield Row(SECTION, subject, FAIL, "; ".join(failures), data, impl=impl.name)
                 else:
                     yield Row(SECTION, subject, PASS,
                               f"{len(ROUTER_PROBES)} probes x {tokens} tokens: choices, tie rule, NaN "
                               f"last, weights and head locality as the float64 router "
-                              f"({near_ties} near-tie pairs within fp32 rounding)", data)
+                              f"({near_ties} near-tie pairs within fp32 rounding)", data,
+                              impl=impl.name)

@@ -13,7 +13,7 @@ from .. import mpcheck
 from ..bounds import compute_error_bounds, evaluate_bounds
 from ..emulation import FP32ACC_EMULATION, negative_controls
 from ..probes import PROBES, probe_problem
-from ..rows import FAIL, PASS, Row
+from ..rows import FAIL, PASS, SUITE, Row
 from ..selfcheck import run_selfcheck
 
 if TYPE_CHECKING:
@@ -25,12 +25,12 @@ def selfcheck(audit: Audit) -> Iterator[Row]:
     if backend.name == "cpu" and get_backend("interpret").available:
         backend = get_backend("interpret")
     for c in run_selfcheck(backend, seed=audit.options.seed):
-        yield Row("selfcheck", f"{backend.name}: {c.name}", c.status, c.detail)
+        yield Row("selfcheck", f"{backend.name}: {c.name}", c.status, c.detail, impl=SUITE)
 
 
 def mp_validation(audit: Audit) -> Iterator[Row]:
     for c in mpcheck.iter_checks(seed=audit.options.seed, quick=True):
-        yield Row("mpcheck", c.name, PASS if c.ok else FAIL, c.detail, {"name": c.name})
+        yield Row("mpcheck", c.name, PASS if c.ok else FAIL, c.detail, {"name": c.name}, impl=SUITE)
 
 
 def controls(audit: Audit) -> Iterator[Row]:
@@ -58,7 +58,7 @@ def controls(audit: Audit) -> Iterator[Row]:
             result = (f"flagged on {', '.join(flagged)}" if flagged else
                       f"NOT flagged (max err/prob. bound {worst:.3g}): the bounds lost their power")
         yield Row("controls", f"{impl.name}: {impl.description}", status, result,
-                  {"description": impl.description})
+                  {"description": impl.description}, impl=SUITE)
 
 
 _BOUNDS: dict = {}

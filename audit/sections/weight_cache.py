@@ -40,7 +40,8 @@ def run(audit: Audit) -> Iterator[Row]:
         def row(r, impl=impl):
             status = SKIP if r.status == SKIPPED else (PASS if r.ok else FAIL)
             return Row(SECTION, f"{impl.name}: {r.route}/{r.parameter}", status,
-                       f"{r.status}: {r.detail}", r.to_dict())
+                       f"{r.status}: {r.detail}", r.to_dict(), impl=impl.name,
+                       clause=f"weight-change/{r.route}")
 
         report = yield from rows_as_found(
             lambda on_result, impl=impl: audit_weight_cache(

@@ -27,7 +27,9 @@ that declares a ``router`` of its own (``fused-routing``, or yours with ``--impl
 ``--impl NAME|package.module:attr`` (repeatable) adds an implementation of your own at both levels,
 timed beside ``fused`` and the plain PyTorch baseline (``torch-bf16``) on the same drawn problems. Every implementation path is judged first (:func:`magi_moe.audit.judge.judge`
 under its declared precision model, relative L2 against float64): a wrong one is reported WRONG
-with its error and not timed; a case outside its declared shapes is reported unsupported.
+with its error and not timed (a ``forward`` that returns a new tensor instead of writing ``out``
+too); a case outside its declared shapes is reported unsupported, one whose ``supports()``
+raises as error.
 
 ``--sweep`` times the fused kernels' tile candidates per case and writes the winners into
 ``magi_moe/kernels/tiles/fused.json`` through the function the loader reads (:mod:`.sweep`);
@@ -145,8 +147,16 @@ def cannot_run_here(device: str | None, paths) -> str | None:
     return None
 
 
+class BenchParser(argparse.ArgumentParser):
+    """A refused argument is its message alone (argparse's usage block is left to ``--help``):
+    one line, or the line and the command to run instead where the machine cannot run it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m magi_moe.bench", description=__doc__,
+    ap = BenchParser(prog="python -m magi_moe.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[4096],
                     help="tokens per case; several give several cases (default 4096)")
@@ -209,7 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         try:
             impl = get_implementation(spec)
         except (ValueError, TypeError) as exc:
-            ap.error(f"--impl: {exc}")
+            ap.error(f"--impl: {exc}".splitlines()[0])
         if impl.is_oracle:
             ap.error(f"--impl {spec}: the float64 oracle is what every path is checked against, "
                      f"not a path to time")

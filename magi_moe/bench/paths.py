@@ -201,7 +201,11 @@ def check_path(path: BenchPath, problem: Problem, fn: Callable[[], torch.Tensor]
     judged = path.judged_problem(problem)
     if isinstance(fn, KernelCall):  # poisoned: an element the implementation skips shows as NaN
         fn.out.fill_(float("nan"))
-    out = fn().detach().clone()
+    got = fn()
+    broken = broken_output(fn, got, problem.x)
+    if broken:  # nothing to judge: the harness would time a call whose output nobody reads
+        return {"level": path.level, "status": "WRONG", "why": broken, "rel_l2": None}
+    out = got.detach().clone()
     bounds = problem_bounds(judged, impl.precision_for(judged.config))
     verdict = judge(out, judged, impl, bounds=bounds,
                     baseline=baseline if judged is problem else None)
@@ -215,6 +219,28 @@ def check_path(path: BenchPath, problem: Problem, fn: Callable[[], torch.Tensor]
     if judged is not problem:
         entry.update(_route_mismatches(judged, problem))
     return entry
+
+
+def broken_output(fn: Callable[[], object], got: object, x: torch.Tensor) -> str | None:
+    """Why what a path returned breaks the calling convention, or None. Kernel level: ``forward``
+    writes the caller's ``out`` and returns it (a new tensor leaves ``out``, which the caller
+    reads, unwritten: still NaN here). Layer level: ``[S, H*Dh]`` in ``x``'s dtype."""
+    if isinstance(fn, KernelCall):
+        want = fn.out
+        if not isinstance(got, torch.Tensor):
+            return f"forward returned {type(got).__name__}, not out"
+        unwritten = int(torch.isnan(want).sum())
+        if got.data_ptr() != want.data_ptr() or got.shape != want.shape or got.dtype != want.dtype:
+            return (f"forward returned a new {str(got.dtype).removeprefix('torch.')} tensor of shape "
+                    f"{tuple(got.shape)} instead of out ({str(want.dtype).removeprefix('torch.')}, "
+                    f"{tuple(want.shape)}); {unwritten} of out's {want.numel()} elements left unwritten")
+        return None
+    if not isinstance(got, torch.Tensor):
+        return f"the layer returned {type(got).__name__}, not a tensor"
+    if got.shape != x.shape or got.dtype != x.dtype:
+        return (f"the layer returned {str(got.dtype).removeprefix('torch.')} {tuple(got.shape)}, "
+                f"expected {str(x.dtype).removeprefix('torch.')} {tuple(x.shape)} (x's dtype and shape)")
+    return None
 
 
 def _route_mismatches(judged: Problem, problem: Problem) -> dict:

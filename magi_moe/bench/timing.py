@@ -199,7 +199,12 @@ def run_case(case: BenchCase, paths, *, device: torch.device, warmup: int, iters
     checks: dict[str, dict] = {}
     fns = {}
     for path in records:
-        why = path.unsupported(problem)
+        try:
+            why = path.unsupported(problem)
+        except Exception as exc:  # noqa: BLE001 -- its own supports() raised: a failure, reported
+            checks[path.name] = {"level": path.level, "status": "error",
+                                 "why": f"supports() raised {type(exc).__name__}: {str(exc)[:300]}"}
+            continue
         if why:
             checks[path.name] = {"level": path.level, "status": "unsupported", "why": why}
             continue

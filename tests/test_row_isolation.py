@@ -1,0 +1,140 @@
+"""Row isolation (CONTRACT 1, clause ``row-isolation``) on every implementation under test: rows
+of ``x`` poisoned with NaN, Inf or overflowing garbage never reach another token's output, in
+the expert kernel on given routes (poisoned rows unrouted, on their own routes, or sharing a
+clean row's experts) and in the implementation's own layer (routing included). Fixed seeds,
+tiny shapes. The broken variants of tests/isolation_broken.py are the controls: each fails
+these same checks and the ``row_isolation`` fuzz property, and magi-moe's own pass them."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+
+from magi_moe.audit.cache import draw_state
+from magi_moe.audit.isolation import (ROUTE_MODES, check_layer_row_isolation, check_row_isolation,
+                                      poisoned_rows)
+from magi_moe.config import preset
+from magi_moe.fuzz import fuzzers
+from magi_moe.fuzz.properties import make_target
+from magi_moe.fuzz.record import PropertyViolation
+from magi_moe.impls import TORCH_BF16
+from magi_moe.problems import random_problem
+from magi_moe.tests import isolation_broken as broken
+
+TOKENS = 24
+
+
+def _rows(seed: int) -> torch.Tensor:
+    rows = poisoned_rows(TOKENS, seed=seed)
+    rows[0] = False  # token 0 clean: the row a parked padding route lands on
+    return rows
+
+
+def kernel_failures(impl, device, poison: str, *, seed: int = 40) -> list[str]:
+    """The route modes in which poisoned rows reach clean ones (an empty list: isolated)."""
+    problem = random_problem(impl.fit(preset("tiny")), TOKENS, seed=seed, device=device)
+    results = [check_row_isolation(impl, problem, _rows(seed), poison, mode, seed=seed + 1)
+               for mode in ROUTE_MODES]
+    return [r.text for r in results if not r.ok]
+
+
+def layer_failure(impl, device, poison: str, *, seed: int = 50) -> str | None:
+    config = impl.fit(preset("tiny"))
+    x = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    result = check_layer_row_isolation(impl, config, draw_state(config, seed, device),
+                                       x.to(device=device, dtype=config.dtype), _rows(seed), poison,
+                                       seed=seed + 1)
+    return None if result.ok else result.text
+
+
+# "mixed" puts NaN, Inf and garbage in one row; "garbage" alone is finite (only products overflow)
+@pytest.mark.clause("row-isolation")
+@pytest.mark.parametrize("poison", ["mixed", "garbage"])
+def test_poisoned_rows_never_reach_other_tokens(impl_backend, poison):
+    failures = kernel_failures(impl_backend.impl, impl_backend.device, poison)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.clause("row-isolation")
+@pytest.mark.parametrize("poison", ["nan", "garbage"])
+def test_layer_poisoned_rows_never_reach_other_tokens(impl_backend, poison):
+    why = layer_failure(impl_backend.impl, impl_backend.device, poison)
+    assert why is None, why
+
+
+@pytest.mark.parametrize("call, argument", [
+    (lambda p: poisoned_rows(1, seed=0), "num_tokens"),
+    (lambda p: poisoned_rows(8, seed=0, share=1.0), "share"),
+    (lambda p: check_row_isolation(TORCH_BF16, p, poisoned_rows(8, seed=0), "zeros", "own"), "poison"),
+    (lambda p: check_row_isolation(TORCH_BF16, p, poisoned_rows(8, seed=0), "nan", "sideways"), "mode"),
+    (lambda p: check_row_isolation(TORCH_BF16, p, torch.ones(8, dtype=torch.bool), "nan", "own"), "rows"),
+])
+def test_bad_arguments_name_the_argument(call, argument):
+    problem = random_problem(preset("tiny"), 8, seed=1)
+    with pytest.raises(ValueError, match=f"^{argument} must"):
+        call(problem)
+
+
+# -- the controls ---------------------------------------------------------------------------------
+def test_per_expert_scale_fails_where_rows_share_an_expert():
+    """An amax over an expert's rows spreads NaN only to rows that share that expert: caught with
+    routes ``own`` and ``shared``, and (the reason for those modes) not when poisoned rows are
+    unrouted."""
+    for poison in ("nan", "garbage"):
+        failures = kernel_failures(broken.per_expert_scale, "cpu", poison)
+        assert [f for f in failures if "routes unrouted" in f] == [], failures
+        assert len(failures) == 2, failures
+        assert "not finite" in failures[0]
+
+
+def test_per_tensor_scale_fails_in_every_route_mode():
+    for poison in ("inf", "garbage"):
+        assert len(kernel_failures(broken.per_tensor_scale, "cpu", poison)) == len(ROUTE_MODES)
+
+
+def test_nan_route_parked_on_row_zero_fails_only_in_the_layer():
+    """Its expert forward is right; its layer's dispatch sends NaN-weight routes to row 0."""
+    impl = broken.nan_route_to_row_zero
+    assert kernel_failures(impl, "cpu", "nan") == []
+    for poison in ("nan", "inf"):
+        why = layer_failure(impl, "cpu", poison)
+        assert why is not None and "not finite" in why, why
+    assert layer_failure(impl, "cpu", "garbage") is None  # finite logits: every route has a weight
+
+
+@pytest.mark.parametrize("name", ["per_expert_scale", "per_tensor_scale", "nan_route_to_row_zero"])
+def test_the_fuzz_property_catches_each_broken_variant(name):
+    """The ``row_isolation`` record's own strategy finds each variant within a few examples."""
+    prop = fuzzers.PROPERTIES["row_isolation"]
+    target = make_target(getattr(broken, name), "cpu", spec=f"magi_moe.tests.isolation_broken:{name}")
+    quick = settings(max_examples=12, derandomize=True, database=None, deadline=None,
+                     phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+    with pytest.raises(PropertyViolation, match="a poisoned row reached another token"):
+        fuzzers.search(prop, target, settings=quick)
+
+
+class _Audit:
+    """What the isolation section reads of a running audit: the CPU, some implementations."""
+
+    def __init__(self, *impls):
+        self.impls, self.device = impls, torch.device("cpu")
+        self.options = type("Options", (), {"seed": 0})()
+
+    def selected_impls(self):
+        return list(self.impls)
+
+    def runnable_here(self, impl):
+        return impl.skip_reason(self.device)
+
+
+def test_the_audit_section_fails_exactly_the_broken_rows():
+    from magi_moe.audit.sections import isolation as section
+
+    rows = list(section.run(_Audit(TORCH_BF16, broken.per_expert_scale, broken.nan_route_to_row_zero)))
+    failed = {r.subject for r in rows if r.status == "FAIL"}
+    assert {r.status for r in rows} <= {"pass", "FAIL"}, [(r.subject, r.status, r.result) for r in rows]
+    assert failed == {"broken-per-expert-scale: poisoned rows own",
+                      "broken-per-expert-scale: poisoned rows shared",
+                      "broken-per-expert-scale.layer()", "broken-nan-route-row-zero.layer()"}, \
+        [(r.subject, r.result) for r in rows]
+    assert len(rows) == 3 * (len(ROUTE_MODES) + 1) and all(r.impl for r in rows)
