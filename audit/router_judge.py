@@ -57,7 +57,7 @@ from magi_moe.routing import (NORM_EPS, route_probs, router_logits, scores_from_
                               select_experts)
 from magi_moe.validation import check_tensor
 
-__all__ = ["ROUTER_CHECKS", "WEIGHT_RULES", "Float64Routes", "RouterCheck", "RouterVerdict",
+__all__ = ["ROUTER_CHECKS", "WEIGHT_RULES", "Float64Routes", "ambiguous_heads", "RouterCheck", "RouterVerdict",
            "float64_routes", "judge_router", "judge_router_call", "other_heads_redrawn",
            "selection_margins"]
 
@@ -174,6 +174,26 @@ def float64_routes(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | Non
     score_bound, margin = selection_margins(x, gate, bias, config, logits, scores, selection)
     return Float64Routes(logits, scores, selection, score_bound, margin, ids,
                          route_probs(scores, ids, config))
+
+
+def ambiguous_heads(ref: Float64Routes, config: MoEConfig) -> torch.Tensor:
+    """``[S, H]`` bool: (token, head) pairs whose top-K an fp32 router may choose otherwise than
+    the float64 one without breaking the contract, because a chosen and an unchosen expert's
+    selection scores lie within each other's fp32 rounding margin (a near-tie). Exact ties are
+    not ambiguous: the tie rule decides them. A layer's output on such a head depends on which
+    choice its router made, so judges that hold a layer to the float64 routes set them aside
+    (the routing clause judges the choice itself)."""
+    S, H, E, K = ref.selection.shape[0], config.num_heads, config.num_experts, config.top_k
+    if K >= E or S == 0:
+        return torch.zeros(S, H, dtype=torch.bool)
+    chosen = torch.zeros(S, H, E, dtype=torch.bool).scatter_(-1, ref.expert_ids, True)
+    unchosen_ids = (~chosen).nonzero()[:, 2].reshape(S, H, E - K)
+    sc, su = torch.gather(ref.selection, -1, ref.expert_ids), torch.gather(ref.selection, -1, unchosen_ids)
+    mc, mu = torch.gather(ref.margin, -1, ref.expert_ids), torch.gather(ref.margin, -1, unchosen_ids)
+    a, b = sc[..., :, None], su[..., None, :]
+    slack = mc[..., :, None] + mu[..., None, :]
+    near = (a - slack <= b) & (a != b) & torch.isfinite(a) & torch.isfinite(b)
+    return near.flatten(2).any(-1)
 
 
 # -- the checks ------------------------------------------------------------------------------------

@@ -200,8 +200,7 @@ class ServingLayerMachine(_Logged, WeightSwapMachine):
     def _op_dirty(self, tokens: int, seed: int, picks: list[int], kind: str) -> None:
         x = _input(self.config, tokens, seed, self.device)
         real = _dirty(x, _bad_rows(tokens, picks), kind, torch.Generator().manual_seed(seed))
-        with torch.no_grad():
-            y = self.layer(x)
+        y = self._forward(x)
         self._check_output(x, y, f"forward({tokens} tokens, {int((~real).sum())} rows {kind})",
                            rows=real)
 

@@ -50,7 +50,9 @@ from torch import nn
 from magi_moe.audit.cache import reach_tensor
 from magi_moe.audit.judge import judge
 from magi_moe.audit.precision import precision_model
+from magi_moe.audit.router_judge import ambiguous_heads, float64_routes
 from magi_moe.config import MoEConfig
+from magi_moe.dirty_memory import handed_memory, reserve_for
 from magi_moe.implementation import Implementation
 from magi_moe.problems import Problem
 from magi_moe.routing import build_route_table, route
@@ -139,13 +141,22 @@ def judge_on_state(y: torch.Tensor, x: torch.Tensor, state: Mapping[str, torch.T
     """The one accuracy judge on a layer's output ``y`` for ``x``, against the float64 reference
     on the weights of ``state`` (released names: the layer's *current* ``state_dict()``), same
     routes. ``rows``: a boolean mask of the rows judged (the others' own input is not finite, so
-    they have no reference); all rows when None. Raises AssertionError when the layer changed
-    one router bias without the other."""
+    they have no reference); all rows when None. Tokens whose top-K is a near-tie
+    (:func:`~magi_moe.audit.router_judge.ambiguous_heads`) are set aside: an fp32 router may
+    choose either side. Raises AssertionError when the layer changed one router bias without
+    the other."""
     bias, ema = state["router.expert_bias"].float(), state["router.expert_bias_ema"].float()
     assert torch.equal(bias, ema), "the layer changed one router bias without the other"
     if rows is not None:
         x, y = x[rows], y[rows]
     gate = state["gate"].detach().float()
+    # a token whose top-K is a near-tie may be routed either way by an fp32 router (the routing
+    # clause judges that choice): its output has no one reference, so it is set aside here
+    settled = ~ambiguous_heads(float64_routes(x, gate, ema, config), config).any(-1)
+    if not bool(settled.all()):
+        note(f"{int((~settled).sum())} of {len(settled)} tokens set aside: a near-tie top-K")
+        settled = settled.to(x.device)
+        x, y = x[settled], y[settled]
     routes = route(x, gate, ema, config)
     current = ExpertWeights(*(state[n].detach().to(config.dtype) for n in EXPERT_PARAMS))
     problem = Problem(config, x, gate, ema, current, routes, build_route_table(routes, config))
@@ -380,9 +391,15 @@ class WeightSwapMachine(RuleBasedStateMachine):
         config, device = self.config, self.device
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(tokens, config.hidden_size, generator=gen).to(device=device, dtype=config.dtype)
-        with torch.no_grad():
-            y = self.layer(x)
-        self._check_output(x, y, f"forward({tokens} tokens)")
+        self._check_output(x, self._forward(x), f"forward({tokens} tokens)")
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on ``x``, on used memory (CONTRACT section 10): what its buffers leave
+        unwritten reads as poison, not as a fresh block's zeros."""
+        cfg = self.config
+        reserve = reserve_for(cfg, x.shape[0], x.shape[0] * cfg.num_heads * cfg.top_k)
+        with torch.no_grad(), handed_memory(x.device, reserve_bytes=reserve):
+            return self.layer(x)
 
     def _check_output(self, x: torch.Tensor, y: torch.Tensor, what: str,
                       rows: torch.Tensor | None = None) -> None:

@@ -267,6 +267,7 @@ def test_targets_are_found_by_their_mark_not_by_a_list(tmp_path):
     assert {"tests/test_fuzz_properties.py", "tests/test_fuzz_stateful.py"} <= {
         f.replace("\\", "/").split("magi_moe/")[-1] for f in DEFAULT_TESTS}
     assert "weight_swaps" in STATE_MACHINES
+    assert "serving_stream" in STATE_MACHINES  # the serving-stream machine (fuzz/serving.py)
     (tmp_path / "test_fuzz_newmachine.py").write_text(
         "@fuzzers.campaign_target\n@pytest.mark.clause('history')\ndef test_serving_stream(impl_backend):\n    pass\n")
     (tmp_path / "test_fuzz_unmarked.py").write_text("def test_x():\n    'campaign_target'\n")
