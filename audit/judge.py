@@ -144,16 +144,16 @@ class Verdict:
     def __str__(self) -> str:
         return self.text
 
-    def failure(self) -> AssertionError | None:
+    def failure(self, prefix: str = "") -> AssertionError | None:
         """The failure this verdict stands for, as an exception to raise (or raise from), or None
         when ok: :class:`Inaccurate` where an accuracy criterion decided, which the verdict counts
         under the accuracy clause wherever the case stands; a plain AssertionError otherwise
-        (elements left unwritten are the case's own failure)."""
+        (elements left unwritten are the case's own failure). ``prefix``: put before the text."""
         if self.ok:
             return None
         if self.criterion in ACCURACY_CRITERIA:
-            return Inaccurate(self.text, self.criterion)
-        return AssertionError(self.text)
+            return Inaccurate(prefix + self.text, self.criterion)
+        return AssertionError(prefix + self.text)
 
     def require(self) -> "Verdict":
         """``assert v.ok, v.text`` that keeps the failure's type: raises :meth:`failure`."""

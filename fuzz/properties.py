@@ -489,6 +489,8 @@ def check_row_isolation(target: Target, case: ExpertCase, *, poison: str, routes
             raise ValueError(f"invalid case: {exc} ({record['case']})") from None
         _push(result.ratio, "row-isolation error/bound")
         _note(result.text)
+        if result.inaccurate is not None:
+            raise result.inaccurate  # wrong without the poison too: counted under accuracy
         if not result.ok:
             raise PropertyViolation(f"a poisoned row reached another token: {result.text}", record)
         return {"ratio": result.ratio, "poisoned_rows": int(rows.sum())}

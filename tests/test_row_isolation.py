@@ -35,6 +35,9 @@ def kernel_failures(impl, device, poison: str, *, seed: int = 40) -> list[str]:
     problem = random_problem(impl.fit(preset("tiny")), TOKENS, seed=seed, device=device)
     results = [check_row_isolation(impl, problem, _rows(seed), poison, mode, seed=seed + 1)
                for mode in ROUTE_MODES]
+    for r in results:
+        if r.inaccurate is not None:
+            raise r.inaccurate  # as wrong without the poison: the verdict counts it under accuracy
     return [r.text for r in results if not r.ok]
 
 
@@ -44,6 +47,8 @@ def layer_failure(impl, device, poison: str, *, seed: int = 50) -> str | None:
     result = check_layer_row_isolation(impl, config, draw_state(config, seed, device),
                                        x.to(device=device, dtype=config.dtype), _rows(seed), poison,
                                        seed=seed + 1)
+    if result.inaccurate is not None:
+        raise result.inaccurate
     return None if result.ok else result.text
 
 
@@ -138,3 +143,18 @@ def test_the_audit_section_fails_exactly_the_broken_rows():
                       "broken-per-expert-scale.layer()", "broken-nan-route-row-zero.layer()"}, \
         [(r.subject, r.result) for r in rows]
     assert len(rows) == 3 * (len(ROUTE_MODES) + 1) and all(r.impl for r in rows)
+
+
+def test_an_inaccurate_kernel_is_counted_under_accuracy_not_isolation():
+    """One root cause, one verdict row: a kernel wrong on clean rows alone (1% off on busy
+    experts) fails the isolation check as an accuracy finding, which the verdict counts under
+    accuracy; an isolation bug stays an isolation finding."""
+    from magi_moe.audit.judge import Inaccurate
+    from magi_moe.tests.outside_team_kernel import BUGGY, GOOD
+
+    with pytest.raises(Inaccurate, match="as wrong on their own"):
+        kernel_failures(BUGGY, "cpu", "mixed")
+    assert kernel_failures(GOOD, "cpu", "mixed") == []
+    problem = random_problem(preset("tiny"), TOKENS, seed=40)
+    result = check_row_isolation(broken.per_tensor_scale, problem, _rows(40), "mixed", "unrouted", seed=41)
+    assert not result.ok and result.inaccurate is None, result.text

@@ -47,5 +47,7 @@ def _row(impl: str, subject: str, check) -> Row:
         result = check()
     except Exception as exc:  # noqa: BLE001 -- reported, the audit goes on
         return Row(SECTION, subject, FAIL, f"raised {type(exc).__name__}: {exc}", impl=impl)
+    # wrong without the poison too: one root cause, counted under accuracy
+    clause = "accuracy" if result.inaccurate is not None else None
     return Row(SECTION, subject, PASS if result.ok else FAIL, result.text.splitlines()[0],
-               {"ratio": result.ratio}, impl=impl)
+               {"ratio": result.ratio}, impl=impl, clause=clause)
