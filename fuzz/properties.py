@@ -365,13 +365,27 @@ def _routed_pairs(table, num_tokens: int, num_heads: int, top_k: int) -> torch.T
     return has.view(num_tokens, num_heads)
 
 
+def _with_a_routed_bank_emptied(case: ExpertCase, p: Problem) -> tuple[ExpertCase, Problem]:
+    """``(case, p)``, with the busiest bank added to the emptied ones when none of them held a
+    route (``p``: the case's problem; its values are kept, only its table changes)."""
+    full = build_route_table(p.routes, case.config)
+    if p.table.num_routes < full.num_routes or not full.num_routes:
+        return case, p
+    busiest = int(full.offsets.diff().argmax())
+    case = dataclasses.replace(case, empty_banks=case.empty_banks + (busiest,))
+    return case, dataclasses.replace(p, table=drop_banks(full, case.empty_banks))
+
+
 def check_empty_experts(target: Target, case: ExpertCase) -> dict:
     """(token, head) pairs whose experts were all emptied by hand give exactly zero, and the
-    rest still agree with the oracle."""
+    rest still agree with the oracle. When the drawn banks hold no route (likely with many
+    banks and few tokens), the busiest bank is emptied too, so that every case can fail; the
+    record names the banks emptied, so a replay is exact."""
     cfg = case.config
     record = _record("empty_experts", target, case)
     with in_flight(record):
-        p = build_problem(case, target.device)
+        case, p = _with_a_routed_bank_emptied(case, build_problem(case, target.device))
+        record.update(_record("empty_experts", target, case))  # the banks emptied, for a replay
         out = _run(target, p)
         _require_written(out, record)
         S, H, Dh = case.num_tokens, cfg.num_heads, cfg.head_dim
