@@ -196,6 +196,13 @@ def scores_from_logits(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     score for that expert alone: softmax normalises over the head's other experts, as sigmoid
     scores each expert alone, so one bad expert ranks last instead of poisoning its whole head."""
     if score_func == "sigmoid":
+        if logits.dtype == torch.float32 and logits.device.type == "cpu":
+            # torch's CPU sigmoid takes one code path for a tensor's vectorised body and another
+            # for its tail, an ulp apart (torch 2.13, AVX512: sigmoid(-18.625) at index 160 of
+            # 165 differs from index 0), so equal logits got unequal scores by position and
+            # exact ties broke the tie rule. Evaluated in float64 and rounded once, the scores
+            # agree (but where the float64 results straddle an fp32 rounding midpoint).
+            return torch.sigmoid(logits.double()).float()
         return torch.sigmoid(logits)
     if score_func == "softmax":
         nan = torch.isnan(logits)

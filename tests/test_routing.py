@@ -41,6 +41,20 @@ def test_ties_go_to_the_lower_expert_index(device, levels):
         assert ids == brute_force_topk(row, K)
 
 
+def test_equal_logits_get_equal_sigmoid_scores_wherever_they_sit():
+    """Exact ties need equal scores for equal logits: torch's CPU sigmoid rounds a tensor's
+    vectorised tail differently (index 160 of 165 was an ulp off index 0), which put expert 6
+    before expert 0 on a tie the fuzz campaign drew (all-negative logits, E = 11, 15 tokens)."""
+    logits = torch.full((15, 1, 11), -18.625)
+    assert scores_from_logits(logits, "sigmoid").unique().numel() == 1
+    config = MoEConfig(num_heads=1, head_dim=16, num_experts=11, top_k=6, intermediate_size=16,
+                       score_func="sigmoid", route_norm=False, route_scale=1.0)
+    x = torch.ones(15, 16)
+    gate = torch.full((11, 16), -18.625 / 16)
+    gate[[3, 4, 7, 9, 10]] = 0.0  # five clear winners, then six experts tied for the last place
+    ids = route(x, gate, None, config).expert_ids
+    assert ids[:, 0, 5].eq(0).all(), ids[:, 0, 5].tolist()  # the lowest index of the tied ones
+
 @pytest.mark.parametrize("device", devices())
 def test_nan_selection_scores_rank_last(device):
     device = _device(device)
