@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..config import MoEConfig
-from .fused import FusedCall, compiled_shared_memory, run_plan
+from .expert_mlp import compiled_shared_memory
+from .fused import run_plan
 from .fused_inputs import check_layer_inputs
 from .fused_prepare import prepare_layer
 from .fused_routing import launch_router
+from .launch_steps import FusedCall
 from .workspace import FusedWorkspace
 
 
@@ -35,5 +37,5 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     # would cost a sync), also for inference tensors, whose changes no version counter records.
     run_plan(launch.plan, FusedCall(x, routes.table, weights, config, b.workspace,
                                     routes.schedule, b.rows, b.slot_route, out, b.act,
-                                    b.gathered, b.descriptors))
+                                    b.descriptors))
     return out

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from ..backends import interpreter_enabled
 from .device import DeviceFacts, persistent_grid
+from .launch_steps import FusedCall, Launcher, LaunchStep
 from .workspace import FusedWorkspace
 
 
@@ -161,3 +162,11 @@ def launch_block_schedule(offsets: torch.Tensor, num_routes: int, num_banks: int
     schedule = schedule_buffers(workspace, num_routes, num_banks, block_m)
     fill_block_schedule(schedule, offsets, num_banks, counts=counts)
     return schedule
+
+
+def _launch_schedule(step: LaunchStep, call: FusedCall) -> None:
+    """The plan's schedule step: ``call.schedule`` built from the table's offsets."""
+    fill_block_schedule(call.schedule, call.table.offsets, call.config.num_banks)
+
+
+SCHEDULE = Launcher("block_schedule_kernel", _launch_schedule)
