@@ -69,7 +69,7 @@ def placeholder_args(tiles: FusedTiles, head_dim: int, inter: int, heads: int, e
     f32 = torch.empty(16, dtype=torch.float32)
     x = torch.empty(tokens, heads * head_dim, dtype=bf16)
     # x, wg, wu, wd, gather, probs, slots, offsets, block_bank, block_start, block_count, rows,
-    # slot_route, stride_x, stride_rows, num_experts: as fused._launch_expert_mlp passes them
+    # slot_route, stride_x, stride_rows, num_experts: as expert_mlp._launch passes them
     return [x, gate_desc, gate_desc, down_desc, i32, f32, i64, i64, i32, i64, i32, f32, i32,
             x.stride(0), head_dim, experts]
 
