@@ -54,7 +54,7 @@ KERNELS = {  # module -> kernel names launched through module attributes
     "magi_moe.kernels.gate_up_down": ("gate_up_kernel", "down_kernel"),
     "magi_moe.kernels.topk_sum": ("topk_sum_kernel",),
     "magi_moe.kernels.expert_mlp": ("expert_mlp_tma_kernel",),
-    "magi_moe.kernels.fused_routing": ("router_topk_kernel", "bank_prefix_kernel",
+    "magi_moe.kernels.router": ("router_topk_kernel", "bank_prefix_kernel",
                                        "place_routes_kernel"),
     "magi_moe.kernels.native": ("native_expert_kernel",),
 }
@@ -95,7 +95,7 @@ def main() -> int:
     from magi_moe.config import MoEConfig, preset
     from magi_moe.kernels import fused as F
     from magi_moe.kernels import tiles as T
-    from magi_moe.kernels.fused_routing import fused_route
+    from magi_moe.kernels.router import fused_route
     from magi_moe.kernels.tiles import RoutingTiles
     from magi_moe.kernels.workspace import FusedWorkspace
     from magi_moe.kernels.native import NativeTiles, fit_shared_memory, launch_native

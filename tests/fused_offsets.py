@@ -38,10 +38,10 @@ PAST_BOUNDARY = [t for t in range(NUM_TOKENS) if t * ROW_STRIDE >= 2**31]
 
 # (name, module, kernel source text, the same with an int32 offset, modules to patch)
 MUTANTS = {
-    "router-x-read": ("magi_moe.kernels.fused_routing",
+    "router-x-read": ("magi_moe.kernels.router",
                       "x_ptrs = x_ptr + s[:, None] * stride_x",
                       "x_ptrs = x_ptr + s.to(tl.int32)[:, None] * stride_x",
-                      "router_topk_kernel", ("magi_moe.kernels.fused_routing",)),
+                      "router_topk_kernel", ("magi_moe.kernels.router",)),
     "topk-sum-output": ("magi_moe.kernels.topk_sum",
                         "tl.store(out_ptr + token[:, None] * stride_out",
                         "tl.store(out_ptr + token.to(tl.int32)[:, None] * stride_out",
@@ -110,7 +110,7 @@ def run_layer(x, problem, tiles, out, want_kernels):
     (``None``: ``fused_layer_forward`` itself); returns the routes (for the router's own check)."""
     from magi_moe.kernels.fused import fused_call, run_plan
     from magi_moe.kernels.fused_layer import fused_layer_forward
-    from magi_moe.kernels.fused_routing import fused_route
+    from magi_moe.kernels.router import fused_route
     from magi_moe.kernels.workspace import FusedWorkspace
 
     cfg, ws = problem.config, FusedWorkspace(x.device)

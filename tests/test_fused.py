@@ -417,7 +417,7 @@ def test_int64_offsets_past_2_31(device):
 # fused routing
 # ---------------------------------------------------------------------------------------------
 def fused_route(x, gate, bias, cfg, tiles=None):
-    from magi_moe.kernels.fused_routing import fused_route as run
+    from magi_moe.kernels.router import fused_route as run
     return run(x, gate, bias, cfg, workspace=FusedWorkspace(x.device), tiles=tiles)
 
 
@@ -433,9 +433,9 @@ def assert_same_routing(fr, routes: Routes, cfg: MoEConfig) -> None:
 def pick_form(request, monkeypatch):
     """Both top-K forms of the fused router on every backend (by default GPUs run the tuple
     reduction and the interpreter three built-in reductions, for speed)."""
-    from magi_moe.kernels import fused_routing
+    from magi_moe.kernels import router
 
-    monkeypatch.setattr(fused_routing, "FORCE_TUPLE_PICKS", request.param)
+    monkeypatch.setattr(router, "FORCE_TUPLE_PICKS", request.param)
     return request.param
 
 
@@ -503,13 +503,13 @@ def test_fused_router_nan_gate_row_under_softmax_spares_the_head(device):
 
 def test_fused_router_both_pick_forms_agree(device, monkeypatch):
     """The tuple reduction and the three built-in reductions: bitwise the same routes."""
-    from magi_moe.kernels import fused_routing
+    from magi_moe.kernels import router
 
     problem = random_problem(preset("tiny"), 33, seed=5, device=device)
     cfg = problem.config
     picked = []
     for form in (True, False):
-        monkeypatch.setattr(fused_routing, "FORCE_TUPLE_PICKS", form)
+        monkeypatch.setattr(router, "FORCE_TUPLE_PICKS", form)
         fr = fused_route(problem.x, problem.gate, problem.bias, cfg)
         picked.append((fr.expert_ids.clone(), fr.probs.clone(), fr.table.offsets.clone()))
     for a, b in zip(*picked):

@@ -401,7 +401,7 @@ def breakdown_case(problem: Problem, *, warmup: int, iters: int, flush_mib: int)
     # included) and the whole layer, on a workspace of their own so that the stages above keep
     # reading their schedule.
     from ..kernels.fused_layer import fused_layer_forward
-    from ..kernels.fused_routing import fused_route
+    from ..kernels.router import fused_route
     from ..kernels.workspace import FusedWorkspace
     layer_ws, layer_out = FusedWorkspace(x.device), torch.empty_like(x)
     gate, bias = problem.gate, problem.bias

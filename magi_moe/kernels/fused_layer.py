@@ -9,7 +9,7 @@ from .expert_mlp import compiled_shared_memory
 from .fused import run_plan
 from .fused_inputs import check_layer_inputs
 from .fused_prepare import prepare_layer
-from .fused_routing import launch_router
+from .router import launch_router
 from .launch_steps import FusedCall
 from .workspace import FusedWorkspace
 
@@ -18,7 +18,7 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
                         weights, config: MoEConfig, *, out: torch.Tensor | None = None,
                         workspace: FusedWorkspace | None = None) -> torch.Tensor:
     """:func:`~.fused_inputs.check_layer_inputs`, :func:`~.fused_prepare.prepare_layer` (tiles,
-    plan, buffers), :func:`~magi_moe.kernels.fused_routing.launch_router` (which also builds the
+    plan, buffers), :func:`~magi_moe.kernels.router.launch_router` (which also builds the
     block schedule), then :func:`~magi_moe.kernels.fused.run_plan`. Seven launches, no host
     synchronisation, no allocation once warm except ``out`` when not given."""
     check_layer_inputs(x, gate, bias, weights, config, out)

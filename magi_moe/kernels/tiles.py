@@ -147,7 +147,7 @@ def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RoutingTiles:
-    """Block shapes of the fused router's kernels (:mod:`magi_moe.kernels.fused_routing`)."""
+    """Block shapes of the fused router's kernels (:mod:`magi_moe.kernels.router`)."""
 
     block_s: int = 32
     block_d: int = 64
