@@ -7,7 +7,7 @@
   (any CUDA GPU without a table entry).
 * The tables in ``tiles/fused.json`` (``tiles/README.md`` describes the format): read by
   :func:`load_device_entry` / :func:`load_tile_table`, written by :func:`write_tile_table`
-  (the sweep of ``python -m magi_moe.bench --sweep``). :func:`fused_tile_choice` says which
+  (by the checkout's tuner, ``python -m tuner``). :func:`fused_tile_choice` says which
   file and which entry it used (:class:`TileChoice`); a GPU without an entry, a missing file and
   the ``MAGI_MOE_FUSED_TILES`` override each warn once (:class:`TileTableWarning`).
 """
@@ -198,7 +198,7 @@ def _known(cls, values: dict, where: str) -> dict:
 
 @lru_cache(maxsize=None)
 def load_device_entry(device_name: str, path: Path | None = None) -> dict | None:
-    """This GPU's entry of ``tiles/fused.json`` (written by ``python -m magi_moe.bench --sweep``), or
+    """This GPU's entry of ``tiles/fused.json`` (written by the tuner, ``python -m tuner``), or
     None when it has none (or there is no file): the first entry whose ``match`` is a substring
     of the name, case ignored."""
     path = path or TILE_TABLE
@@ -322,7 +322,7 @@ def gpu_tile_choice(config: MoEConfig, num_routes: int, device_name: str,
         choice = TileChoice(PORTABLE_TILES.fitted(config), "portable", path)
         _warn_once(("fused", device_name, str(path)),
                    f"the fused kernels on {device_name} use {choice}; "
-                   f"python -m magi_moe.bench --sweep --write-tiles tables this GPU")
+                   f"python -m tuner --anchors --write (from a checkout) tables this GPU")
         return choice
     per_bank = num_routes / max(config.num_banks, 1)
     edge, tiles = next(((e, t) for e, t in classes if per_bank <= e), classes[-1])
