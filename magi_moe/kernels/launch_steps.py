@@ -1,6 +1,7 @@
 """A launch of the fused path: :class:`LaunchStep` (which kernel, its grid, its tiles), the
 :class:`Launcher` a step carries (the kernel's name and how to launch it, defined beside the
-kernel in its family's file) and :class:`FusedCall`, the tensors the launches read and write.
+kernel in its family's file) and :class:`FusedCall`, the tensors the launches read and write
+(with :class:`BlockSchedule`, the block schedule's buffers, :mod:`.schedule` builds).
 
 The planner (:mod:`.plan`) picks the launchers; :func:`~.fused.run_plan` calls
 ``step.launcher.launch(step, call)`` for each step, knowing no kernel by name. A kernel family
@@ -10,7 +11,7 @@ they read (:mod:`.gate_up_down`, :mod:`.expert_mlp`, :mod:`.topk_sum`, :mod:`.sc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -21,8 +22,21 @@ from ..weights import ExpertWeights
 from .tiles import FusedTiles
 from .workspace import FusedWorkspace
 
-if TYPE_CHECKING:  # the schedule's family file defines a launcher: no import cycle at run time
-    from .schedule import BlockSchedule
+
+@dataclass(frozen=True)
+class BlockSchedule:
+    """Device-side block schedule: ``block_bank`` int32 and ``block_start`` int64
+    ``[max_blocks]`` (valid below the live count), ``block_count`` int32 ``[1]`` (the live
+    count, never read by the host); ``max_blocks`` is the host-side upper bound."""
+
+    block_bank: torch.Tensor
+    block_start: torch.Tensor
+    block_count: torch.Tensor
+    block_m: int
+
+    @property
+    def max_blocks(self) -> int:
+        return self.block_bank.numel()
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,7 @@ class FusedCall:
     weights: ExpertWeights
     config: MoEConfig
     workspace: FusedWorkspace | None
-    schedule: "BlockSchedule | None"
+    schedule: BlockSchedule | None
     rows: torch.Tensor
     slot_route: torch.Tensor
     out: torch.Tensor | None = None

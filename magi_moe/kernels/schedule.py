@@ -18,15 +18,13 @@ most ``min(H*E, R)`` banks are nonempty); entries past ``block_count`` are never
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ..backends import interpreter_enabled
 from .device import DeviceFacts, persistent_grid
-from .launch_steps import FusedCall, Launcher, LaunchStep
+from .launch_steps import BlockSchedule, FusedCall, Launcher, LaunchStep
 from .workspace import FusedWorkspace
 
 
@@ -95,22 +93,6 @@ def max_blocks(num_routes: int, num_banks: int, block_m: int) -> int:
     """Upper bound on ``sum_f cdiv(count_f, block_m)`` known without reading the counts: each
     nonempty bank wastes less than one block, and at most ``min(H*E, R)`` banks are nonempty."""
     return cdiv(num_routes, block_m) + min(num_banks, num_routes)
-
-
-@dataclass(frozen=True)
-class BlockSchedule:
-    """Device-side block schedule: ``block_bank`` int32 and ``block_start`` int64
-    ``[max_blocks]`` (valid below the live count), ``block_count`` int32 ``[1]`` (the live
-    count, never read by the host); ``max_blocks`` is the host-side upper bound."""
-
-    block_bank: torch.Tensor
-    block_start: torch.Tensor
-    block_count: torch.Tensor
-    block_m: int
-
-    @property
-    def max_blocks(self) -> int:
-        return self.block_bank.numel()
 
 
 def schedule_buffers(workspace: FusedWorkspace, num_routes: int, num_banks: int,
