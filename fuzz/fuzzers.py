@@ -74,7 +74,7 @@ class Router:
 ROUTERS = (
     Router("torch", "magi_moe.routing:route", ("cpu", "cuda")),
     # with its table: the tie rule is also checked on the CSR table the fused router builds
-    Router("fused", "magi_moe.kernels.fused_routes:fused_routes_with_table", ("interpret", "cuda")),
+    Router("fused", "magi_moe.kernels.router_choices:fused_routes_with_table", ("interpret", "cuda")),
 )
 
 

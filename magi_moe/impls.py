@@ -45,7 +45,7 @@ def _fused_layer(x, gate, bias, weights, config):
 def _fused_router(x, gate, bias, config):
     """The fused layer's own router (bitwise the routes and probabilities ``fused-layer`` uses),
     so expert parallelism and forced-implementation layers route exactly as the fused layer."""
-    from .kernels.fused_routes import fused_routes
+    from .kernels.router_choices import fused_routes
 
     return fused_routes(x, gate, bias, config)
 
@@ -78,7 +78,7 @@ FUSED = Implementation(
     capabilities={"deterministic", "int64_offsets", "weight_cache", "no_host_sync",
                   "strided_weights", "input_checks", "compilable"},
     layer_forward=_fused_layer,
-    launcher=RowLauncher("magi_moe.kernels.fused_rows:launch_fused_rows", "route_rows"),
+    launcher=RowLauncher("magi_moe.kernels.row_launcher:launch_fused_rows", "route_rows"),
     prepare_weights=_pack,
     router=_fused_router,
     description="fused BF16 path: grouped gate/up + down GEMMs over padded per-expert blocks, "

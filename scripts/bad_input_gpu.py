@@ -68,7 +68,7 @@ def _bad_tables():
         return dataclasses.replace(p.table, route_slots=slots)
 
     def stale(p):
-        from magi_moe.kernels.fused_routing import fused_route
+        from magi_moe.kernels.router import fused_route
         first = fused_route(p.x, p.gate, p.bias, p.config).table
         fused_route(torch.cat([p.x, p.x, p.x]), p.gate, p.bias, p.config)
         return first
@@ -181,14 +181,14 @@ def host_syncs(fn) -> str:
 @contextlib.contextmanager
 def checks_patched_out():
     """The layer path's input checks replaced by no-ops (measurement only)."""
-    from magi_moe.kernels import fused_layer, fused_routing
-    saved = (fused_layer.check_layer_inputs, fused_routing.increment_version)
+    from magi_moe.kernels import fused_layer, router
+    saved = (fused_layer.check_layer_inputs, router.increment_version)
     fused_layer.check_layer_inputs = lambda *a, **k: None
-    fused_routing.increment_version = lambda *a, **k: None
+    router.increment_version = lambda *a, **k: None
     try:
         yield
     finally:
-        fused_layer.check_layer_inputs, fused_routing.increment_version = saved
+        fused_layer.check_layer_inputs, router.increment_version = saved
 
 
 def cost(preset_name: str, tokens: int, warmup: int, iters: int, json_path: str | None) -> int:

@@ -3,10 +3,11 @@
 #
 #   scripts/gpu_fused.sh [all|sweep|bench]     (default: all)
 #
-# sweep: the tile sweep over the four docs/ANCHORS.md cases (every candidate's output checked
-#        against a reference candidate), written to magi_moe/kernels/tiles/fused.json;
-#        SWEEP_ARGS replaces "--anchors" (e.g. "--tokens 16384 --merge-tiles": one class
-#        re-swept, the rest of the table kept), SWEEP_TIMEOUT its time limit (160 s);
+# sweep: the tile sweep (python -m tuner) over the four docs/ANCHORS.md cases (every
+#        candidate's output checked against a reference candidate), written to
+#        magi_moe/kernels/tiles/fused.json; SWEEP_ARGS replaces "--anchors" (e.g. "--tokens
+#        16384 --merge": one class re-swept, the rest of the table kept), SWEEP_TIMEOUT its
+#        time limit (160 s);
 # then (every mode) the benchmark with the tile table; then (all, bench) the pytest-benchmark
 # GPU cases; then (every mode) the CUDA tests.
 # CUDA tests: tests/test_fused.py, tests/test_packed_weights.py and the implementation matrix
@@ -29,8 +30,8 @@ PATHS=${BENCH_PATHS:-native,native-det,fused,fused-layer,native-layer,routing,fu
 } 2>&1 | tee "$OUT/env.txt"
 
 if [ "$MODE" != bench ]; then  # its own process: a candidate that faults cannot spoil the rest
-  timeout "${SWEEP_TIMEOUT:-160}" $PY -m magi_moe.benchmark ${SWEEP_ARGS:---anchors} --sweep --sweep-only --write-tiles \
-      --iters 100 --json "$OUT/sweep.json" 2>&1 | tail -60 | tee "$OUT/sweep.log"
+  timeout "${SWEEP_TIMEOUT:-160}" $PY -m tuner ${SWEEP_ARGS:---anchors} --write \
+      --json "$OUT/sweep.json" 2>&1 | tail -60 | tee "$OUT/sweep.log"
   cp magi_moe/kernels/tiles/fused.json "$OUT/fused.json" 2>/dev/null
 fi
 timeout "${BENCH_TIMEOUT:-130}" $PY -m magi_moe.benchmark --anchors --paths $PATHS --iters 100 --warmup 10 \

@@ -49,7 +49,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from magi_moe.kernels import fused_tma  # noqa: E402
+from magi_moe.kernels import expert_mlp  # noqa: E402
 from magi_moe.kernels.tiles import FusedTiles, load_tile_table  # noqa: E402
 from magi_moe.config import preset  # noqa: E402
 
@@ -69,7 +69,7 @@ def placeholder_args(tiles: FusedTiles, head_dim: int, inter: int, heads: int, e
     f32 = torch.empty(16, dtype=torch.float32)
     x = torch.empty(tokens, heads * head_dim, dtype=bf16)
     # x, wg, wu, wd, gather, probs, slots, offsets, block_bank, block_start, block_count, rows,
-    # slot_route, stride_x, stride_rows, num_experts: as fused._launch_expert_mlp passes them
+    # slot_route, stride_x, stride_rows, num_experts: as expert_mlp._launch passes them
     return [x, gate_desc, gate_desc, down_desc, i32, f32, i64, i64, i32, i64, i32, f32, i32,
             x.stride(0), head_dim, experts]
 
@@ -79,7 +79,7 @@ def compile_one_kernel(tiles: FusedTiles, *, head_dim: int = 256, inter: int = 1
                        extra_constexprs: dict | None = None):
     """The compiled ``expert_mlp_tma_kernel`` for these tiles on ``sm_<arch>``; ``kernel`` and
     ``extra_constexprs``: a changed copy of it (same parameters, more constexprs) to screen."""
-    kernel = kernel or fused_tma.expert_mlp_tma_kernel
+    kernel = kernel or expert_mlp.expert_mlp_tma_kernel
     target = GPUTarget("cuda", arch, 32)
     names = kernel.arg_names
     signature, attrs = {}, {}

@@ -39,7 +39,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from magi_moe.kernels.fused_routing import router_topk_kernel  # noqa: E402
+from magi_moe.kernels.router import router_topk_kernel  # noqa: E402
 from magi_moe.kernels.tiles import RoutingTiles, gpu_routing_tiles  # noqa: E402
 
 SIGNATURE = {  # pointers 16-byte aligned and sizes as a real launch specialises them
@@ -52,7 +52,7 @@ SIGNATURE = {  # pointers 16-byte aligned and sizes as a real launch specialises
 def compile_router(tiles: RoutingTiles, *, heads: int = 3, head_dim: int = 256,
                    experts: int = 256, top_k: int = 6, arch: int = 90):
     """The compiled ``router_topk_kernel`` for these tiles on ``sm_<arch>``, with the constexprs
-    :func:`magi_moe.kernels.fused_routing.launch_router` passes on a GPU."""
+    :func:`magi_moe.kernels.router.launch_router` passes on a GPU."""
     consts = dict(NUM_HEADS=heads, HEAD_DIM=head_dim, NUM_EXPERTS=experts,
                   E_PAD=max(16, triton.next_power_of_2(experts)), TOP_K=top_k,
                   K_PAD=max(2, triton.next_power_of_2(top_k)), BLOCK_S=tiles.block_s,

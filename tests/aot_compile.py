@@ -51,10 +51,10 @@ class AheadOfTime:
 
 KERNELS = {  # module -> kernel names launched through module attributes
     "magi_moe.kernels.schedule": ("block_schedule_kernel",),
-    "magi_moe.kernels.fused": ("gate_up_kernel", "down_kernel", "topk_sum_kernel"),
-    "magi_moe.kernels.fused_tma": ("gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel",
-                                   "expert_mlp_tma_kernel"),
-    "magi_moe.kernels.fused_routing": ("router_topk_kernel", "bank_prefix_kernel",
+    "magi_moe.kernels.gate_up_down": ("gate_up_kernel", "down_kernel"),
+    "magi_moe.kernels.topk_sum": ("topk_sum_kernel",),
+    "magi_moe.kernels.expert_mlp": ("expert_mlp_tma_kernel",),
+    "magi_moe.kernels.router": ("router_topk_kernel", "bank_prefix_kernel",
                                        "place_routes_kernel"),
     "magi_moe.kernels.native": ("native_expert_kernel",),
 }
@@ -95,7 +95,7 @@ def main() -> int:
     from magi_moe.config import MoEConfig, preset
     from magi_moe.kernels import fused as F
     from magi_moe.kernels import tiles as T
-    from magi_moe.kernels.fused_routing import fused_route
+    from magi_moe.kernels.router import fused_route
     from magi_moe.kernels.tiles import RoutingTiles
     from magi_moe.kernels.workspace import FusedWorkspace
     from magi_moe.kernels.native import NativeTiles, fit_shared_memory, launch_native
@@ -120,12 +120,6 @@ def main() -> int:
         for tiles in sorted(classes, key=repr):       # the H200 tile table, every class,
             expert_launches(tiles)
             expert_launches(T.two_kernel_tiles(tiles, cfg))  # and its no-TMA fallback
-        # the two-kernel descriptor variants the sweep may table (as an S=16384 entry once did)
-        previous = T.FusedTiles(gu_variant="tma_gathered", block_m=64, gu_block_n=128,
-                                gu_block_k=32, gu_stages=4, gu_act_store="tma",
-                                down_variant="tma", down_block_n=128, down_block_k=64,
-                                down_stages=4)
-        expert_launches(previous.fitted(cfg))
         fused_route(problem.x, problem.gate, problem.bias, cfg, block_m=64,
                     workspace=FusedWorkspace("cpu"), tiles=routing)
         native_start = NativeTiles(block_m=64, block_n=32, num_warps=8, num_stages=2)
@@ -146,7 +140,7 @@ def main() -> int:
         log[-1]["control"] = "native tiles before fitting, Dh=272"
     with compiling_for(80, log):                      # any other CUDA GPU: the portable tiles
         expert_launches(T.PORTABLE_TILES.fitted(cfg))
-        expert_launches(replace(T.PORTABLE_TILES, gu_variant="tma").fitted(cfg))  # falls back
+        expert_launches(replace(T.PORTABLE_TILES, gu_variant="mlp_tma").fitted(cfg))  # falls back
     for entry in log:
         print(json.dumps(entry))
     return 0

@@ -63,13 +63,14 @@ SLOW_ROWS = (
     "test_parallel.py::test_every_rank_on_one_device_equals_one_process_bitwise[interpret-w2-softmax-fused]",
     # 6-9 s each under -n 2 (--durations): each clause keeps a quicker fused@interpret row
     # (differential and locality: test_random_problems, linearity; the five-heads EP case:
-    # w2-small-fused; the descriptor fallback: the tma variant; routers: their conformance rows)
+    # w2-small-fused; the descriptor fallback: test_plan's and test_tile_entries' rows; routers:
+    # their conformance rows)
     "test_fuzz_properties.py::test_property[differential-fused@interpret]",
     "test_fuzz_properties.py::test_property[token_permutation-fused@interpret]",
     "test_fuzz_properties.py::test_property[head_locality-fused@interpret]",
     "test_implementations.py::test_production_widths_with_few_routed_tokens[fused@interpret]",
     "test_parallel.py::test_every_rank_on_one_device_equals_one_process_bitwise[interpret-w3-five-heads-fused]",
-    "test_fused.py::test_descriptor_variants_fall_back_on_unaligned_weights[interpret-mlp_tma]",
+    "test_fused.py::test_the_one_kernel_step_falls_back_on_unaligned_weights[interpret]",
     "test_router_judge.py::test_the_audit_routing_section_passes_the_example_and_the_fused_router",
     "test_router_judge.py::test_the_example_and_magi_moes_routers_pass_the_conformance_test[interpret-softmax-norm]",
     "test_outside_impl.py::test_protocol_matches_the_oracle[fused@interpret-float16]",

@@ -12,9 +12,8 @@ bit for bit, what it gives on the same three rows stored contiguously, and write
 rows of ``out``.
 
 Each plan the interpreter can run is checked: ``fused_layer_forward`` itself, the pointer kernels
-(``router_topk_kernel``, ``gate_up_kernel``, ``down_kernel``, ``topk_sum_kernel``), the
-gathered-rows descriptor path (``gather_rows_kernel``) and the one-kernel path
-(``expert_mlp_tma_kernel``, which reads ``x`` through ``blocks.block_x_rows``).
+(``router_topk_kernel``, ``gate_up_kernel``, ``down_kernel``, ``topk_sum_kernel``) and the
+one-kernel path (``expert_mlp_tma_kernel``, which reads ``x`` through ``blocks.block_x_rows``).
 
 ``python -m magi_moe.tests.fused_offsets [--mutant NAME]`` (``TRITON_INTERPRET=1``) prints one
 ``OK``/``WRONG`` line per plan and exits 0 when all are right, :data:`WRONG_EXIT` otherwise;
@@ -39,26 +38,22 @@ PAST_BOUNDARY = [t for t in range(NUM_TOKENS) if t * ROW_STRIDE >= 2**31]
 
 # (name, module, kernel source text, the same with an int32 offset, modules to patch)
 MUTANTS = {
-    "router-x-read": ("magi_moe.kernels.fused_routing",
+    "router-x-read": ("magi_moe.kernels.router",
                       "x_ptrs = x_ptr + s[:, None] * stride_x",
                       "x_ptrs = x_ptr + s.to(tl.int32)[:, None] * stride_x",
-                      "router_topk_kernel", ("magi_moe.kernels.fused_routing",)),
-    "topk-sum-output": ("magi_moe.kernels.fused",
+                      "router_topk_kernel", ("magi_moe.kernels.router",)),
+    "topk-sum-output": ("magi_moe.kernels.topk_sum",
                         "tl.store(out_ptr + token[:, None] * stride_out",
                         "tl.store(out_ptr + token.to(tl.int32)[:, None] * stride_out",
-                        "topk_sum_kernel", ("magi_moe.kernels.fused",)),
-    "gate-up-x-read": ("magi_moe.kernels.fused",
+                        "topk_sum_kernel", ("magi_moe.kernels.topk_sum",)),
+    "gate-up-x-read": ("magi_moe.kernels.gate_up_down",
                        "tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int64)",
                        "tokens = tl.load(gather_ptr + rows, mask=row_mask, other=0).to(tl.int32)",
-                       "gate_up_kernel", ("magi_moe.kernels.fused",)),
-    "gather-rows-x-read": ("magi_moe.kernels.fused_tma",
-                           "vals = tl.load(x_ptr + tokens[:, None] * stride_x",
-                           "vals = tl.load(x_ptr + tokens.to(tl.int32)[:, None] * stride_x",
-                           "gather_rows_kernel", ("magi_moe.kernels.fused_tma",)),
+                       "gate_up_kernel", ("magi_moe.kernels.gate_up_down",)),
     "mlp-x-read": ("magi_moe.kernels.blocks",
                    "return tl.load(x_ptr + tokens[:, None] * stride_x",
                    "return tl.load(x_ptr + tokens.to(tl.int32)[:, None] * stride_x",
-                   "block_x_rows", ("magi_moe.kernels.fused_tma",)),
+                   "block_x_rows", ("magi_moe.kernels.expert_mlp",)),
 }
 
 # The plans checked: the tiles' variant fields, and the kernels the plan must launch
@@ -66,9 +61,6 @@ MUTANTS = {
 PLANS = {
     "layer": (None, ()),
     "pointer": ({}, ("gate_up_kernel", "down_kernel", "topk_sum_kernel")),
-    "tma-gathered": (dict(gu_variant="tma_gathered", down_variant="tma", gu_block_n=32,
-                          gu_block_k=16, down_block_k=16),
-                     ("gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel", "topk_sum_kernel")),
     "mlp-tma": (dict(gu_variant="mlp_tma", gu_block_n=16), ("expert_mlp_tma_kernel", "topk_sum_kernel")),
 }
 
@@ -118,7 +110,7 @@ def run_layer(x, problem, tiles, out, want_kernels):
     (``None``: ``fused_layer_forward`` itself); returns the routes (for the router's own check)."""
     from magi_moe.kernels.fused import fused_call, run_plan
     from magi_moe.kernels.fused_layer import fused_layer_forward
-    from magi_moe.kernels.fused_routing import fused_route
+    from magi_moe.kernels.router import fused_route
     from magi_moe.kernels.workspace import FusedWorkspace
 
     cfg, ws = problem.config, FusedWorkspace(x.device)

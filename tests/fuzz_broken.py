@@ -57,7 +57,7 @@ from magi_moe.implementation import Implementation, RowLauncher
 from magi_moe.routing import (Routes, build_route_table, route, route_probs, router_logits,
                               scores_from_logits)
 from magi_moe.weights import ExpertWeights
-from magi_moe.kernels.fused_routes import TabledRoutes
+from magi_moe.kernels.router_choices import TabledRoutes
 
 
 # -- int32 offsets ----------------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def _swap_behind_the_dataclass(call: ExpertCall) -> ExpertCall:
 def _stale_fused_route_table(call: ExpertCall) -> ExpertCall:
     """The fused router's table is a view of its workspace: a later call with more tokens
     rewrites the offsets under it (and reallocates the token buffer)."""
-    from magi_moe.kernels.fused_routing import fused_route
+    from magi_moe.kernels.router import fused_route
 
     gen = torch.Generator().manual_seed(5)
     cfg = call.config

@@ -145,15 +145,10 @@ def test_packed_and_plain_weights_give_the_same_bits(device):
 
 @pytest.mark.parametrize("variant", [
     dict(gu_variant="kloop", gu_block_n=32, gu_block_k=16, down_block_n=16, down_block_k=32),
-    dict(gu_variant="tma", gu_block_n=32, gu_block_k=16, down_variant="tma", down_block_n=16,
-         down_block_k=32),
-    dict(gu_variant="tma_gathered", block_m=32, gu_block_n=64, gu_block_k=16,
-         down_variant="tma", down_block_k=16),
-    dict(gu_variant="tma_gathered", gu_act_store="tma", gu_block_n=32, gu_block_k=16,
-         down_variant="tma", down_block_k=16),
+    dict(gu_variant="kloop", block_m=32, gu_block_n=64, gu_block_k=16, down_block_k=16),
     dict(gu_variant="mlp_tma", gu_block_n=16),
-], ids=["kloop-small-tiles", "tma", "tma-gathered", "tma-gathered-act-store", "mlp-tma"])
-@pytest.mark.parametrize("head_dim", [32, 48])  # 48: the gather pass masks its padded width
+], ids=["kloop-small-tiles", "kloop-bm32", "mlp-tma"])
+@pytest.mark.parametrize("head_dim", [32, 48])  # 48: no one-kernel step (not a power of two)
 def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     fused = F()
     cfg = MoEConfig(num_heads=2, head_dim=head_dim, num_experts=4, top_k=2, intermediate_size=64)
@@ -166,8 +161,7 @@ def test_every_kernel_variant_agrees_with_the_oracle(device, variant, head_dim):
     assert v.ok, v.text
 
 
-DESCRIPTOR_KERNELS = ("gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel",
-                      "expert_mlp_tma_kernel")
+DESCRIPTOR_KERNELS = ("expert_mlp_tma_kernel",)
 
 
 def _plan(problem: Problem, tiles, weights: ExpertWeights | None = None):
@@ -193,10 +187,8 @@ def _forward_with(problem: Problem, tiles, weights: ExpertWeights | None = None)
 
 
 @pytest.mark.slow  # over 10 s on two cores: the slow tier (CI runs it after the quick one)
-@pytest.mark.parametrize("gu_variant,act_store", [("tma", "ptr"), ("tma_gathered", "ptr"),
-                                                  ("tma_gathered", "tma"), ("mlp_tma", "ptr")])
-def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_variant, act_store):
-    """The plan runs the descriptor kernels (no fallback) and they compute what the pointer
+def test_the_one_kernel_step_runs_and_agrees_with_the_two_kernels(device):
+    """The plan runs the descriptor kernel (no fallback) and it computes what the two pointer
     kernels compute: the same bits under the interpreter (same operations in the same order),
     the oracle's accuracy on a GPU."""
     from magi_moe.kernels.device import tma_supported
@@ -207,19 +199,13 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
     base = INTERPRETER_TILES if device.type == "cpu" else PORTABLE_TILES
     # mlp_tma reduces over all of Dh in one dot and over I in steps of gu_block_n: the pointer
     # kernels take the same steps, so the interpreter's sums match.
-    whole = gu_variant == "mlp_tma"
-    pointer = FusedTiles(**{**vars(base), "gu_block_k": 256 if whole else 32,
-                            "gu_block_n": 32, "down_block_k": 32}).fitted(problem.config)
-    descriptor = FusedTiles(**{**vars(pointer), "gu_variant": gu_variant,
-                               "gu_act_store": act_store, "down_variant": "tma"})
+    pointer = FusedTiles(**{**vars(base), "gu_block_k": 256, "gu_block_n": 32,
+                            "down_block_k": 32}).fitted(problem.config)
+    descriptor = FusedTiles(**{**vars(pointer), "gu_variant": "mlp_tma"})
     assert _descriptor_kernels(_plan(problem, pointer)) == []
     plan = _plan(problem, descriptor)
     assert plan.reasons == ()
-    assert _descriptor_kernels(plan) == {
-        "tma": ["gate_up_tma_kernel", "down_tma_kernel"],
-        "tma_gathered": ["gather_rows_kernel", "gate_up_tma_kernel", "down_tma_kernel"],
-        "mlp_tma": ["expert_mlp_tma_kernel"]}[gu_variant]
-    assert plan.step(plan.kernels[1]).tiles.gu_act_store == act_store
+    assert _descriptor_kernels(plan) == ["expert_mlp_tma_kernel"]
     want = _forward_with(problem, pointer)
     got = _forward_with(problem, descriptor)
     if device.type == "cpu":
@@ -229,11 +215,10 @@ def test_descriptor_variants_run_and_agree_with_the_pointer_kernels(device, gu_v
         assert v.ok, v.text
 
 
-@pytest.mark.parametrize("gu_variant", ["tma", "mlp_tma"])
-def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant):
+def test_the_one_kernel_step_falls_back_on_unaligned_weights(device):
     """A weight whose base is not 16-byte aligned cannot be a TMA source: the plan runs the
-    pointer kernels instead and says why, with the same result (for a one-kernel entry, on its
-    fallback tiles)."""
+    pointer kernels instead, on the one-kernel entry's fallback tiles, and says why, with the
+    same result."""
     problem = random_problem(preset("small"), 29, seed=22, device=device)
     w = problem.weights
     storage = torch.empty(w.w_down.numel() + 1, dtype=w.w_down.dtype, device=device)
@@ -244,25 +229,18 @@ def test_descriptor_variants_fall_back_on_unaligned_weights(device, gu_variant):
     odd_gate.copy_(w.w_gate)
     weights = ExpertWeights(odd_gate, w.w_up, odd)
     base = INTERPRETER_TILES if device.type == "cpu" else PORTABLE_TILES
-    pointer = base.fitted(problem.config)
-    if gu_variant == "mlp_tma":  # shaped like the H200 table's one-kernel entries
-        descriptor = FusedTiles(**{**vars(pointer), "gu_variant": "mlp_tma", "block_m": 128,
-                                   "gu_block_n": 32, "gu_block_k": 256, "gu_warps": 8})
-        pointer = two_kernel_tiles(descriptor, problem.config)
-        assert pointer.gu_variant == "kloop" and pointer.block_m == 128
-    else:
-        descriptor = FusedTiles(**{**vars(pointer), "gu_variant": "tma", "down_variant": "tma"})
+    # shaped like the H200 table's one-kernel entries
+    descriptor = FusedTiles(**{**vars(base.fitted(problem.config)), "gu_variant": "mlp_tma",
+                               "block_m": 128, "gu_block_n": 32, "gu_block_k": 256, "gu_warps": 8})
+    pointer = two_kernel_tiles(descriptor, problem.config)
+    assert pointer.gu_variant == "kloop" and pointer.block_m == 128
     plan = _plan(problem, descriptor, weights)
     assert plan.kernels == ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
                             "topk_sum_kernel")
     aligned = "base address not 16-byte aligned"
-    if gu_variant == "mlp_tma":
-        assert plan.reasons == (f"gu_variant 'mlp_tma' -> gate_up_kernel + down_kernel: "
-                                f"w_gate: {aligned}; w_down: {aligned}",)
-        assert plan.step("gate_up_kernel").tiles == pointer
-    else:
-        assert plan.reasons == (f"gu_variant 'tma' -> gate_up_kernel: w_gate: {aligned}",
-                                f"down_variant 'tma' -> down_kernel: w_down: {aligned}")
+    assert plan.reasons == (f"gu_variant 'mlp_tma' -> gate_up_kernel + down_kernel: "
+                            f"w_gate: {aligned}; w_down: {aligned}",)
+    assert plan.step("gate_up_kernel").tiles == pointer
     assert torch.equal(_forward_with(problem, descriptor, weights),
                        _forward_with(problem, pointer, weights))
 
@@ -439,7 +417,7 @@ def test_int64_offsets_past_2_31(device):
 # fused routing
 # ---------------------------------------------------------------------------------------------
 def fused_route(x, gate, bias, cfg, tiles=None):
-    from magi_moe.kernels.fused_routing import fused_route as run
+    from magi_moe.kernels.router import fused_route as run
     return run(x, gate, bias, cfg, workspace=FusedWorkspace(x.device), tiles=tiles)
 
 
@@ -455,9 +433,9 @@ def assert_same_routing(fr, routes: Routes, cfg: MoEConfig) -> None:
 def pick_form(request, monkeypatch):
     """Both top-K forms of the fused router on every backend (by default GPUs run the tuple
     reduction and the interpreter three built-in reductions, for speed)."""
-    from magi_moe.kernels import fused_routing
+    from magi_moe.kernels import router
 
-    monkeypatch.setattr(fused_routing, "FORCE_TUPLE_PICKS", request.param)
+    monkeypatch.setattr(router, "FORCE_TUPLE_PICKS", request.param)
     return request.param
 
 
@@ -525,13 +503,13 @@ def test_fused_router_nan_gate_row_under_softmax_spares_the_head(device):
 
 def test_fused_router_both_pick_forms_agree(device, monkeypatch):
     """The tuple reduction and the three built-in reductions: bitwise the same routes."""
-    from magi_moe.kernels import fused_routing
+    from magi_moe.kernels import router
 
     problem = random_problem(preset("tiny"), 33, seed=5, device=device)
     cfg = problem.config
     picked = []
     for form in (True, False):
-        monkeypatch.setattr(fused_routing, "FORCE_TUPLE_PICKS", form)
+        monkeypatch.setattr(router, "FORCE_TUPLE_PICKS", form)
         fr = fused_route(problem.x, problem.gate, problem.bias, cfg)
         picked.append((fr.expert_ids.clone(), fr.probs.clone(), fr.table.offsets.clone()))
     for a, b in zip(*picked):
@@ -689,9 +667,6 @@ def test_every_launch_plan_gives_the_same_bits(config_name, tokens):
         "two kernels": two,
         "two kernels bm64 bk32": dataclasses.replace(two, block_m=64, gu_block_k=32, gu_warps=4,
                                                      down_warps=4),
-        "two kernels, descriptors": dataclasses.replace(two, gu_variant="tma_gathered",
-                                                        down_variant="tma"),
-        "two kernels, weight descriptors": dataclasses.replace(two, gu_variant="tma"),
     })
     want = _forward_with(problem, tabled)
     assert not torch.isnan(want).any()

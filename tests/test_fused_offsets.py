@@ -1,6 +1,6 @@
 """int64 offsets in every kernel of the fused layer, on the CPU (CONTRACT sections 7, 8).
 
-The router's read of ``x``, the expert kernels' reads of ``x`` (pointer, gathered-rows and
+The router's read of ``x``, the expert kernels' reads of ``x`` (pointer and
 one-kernel plans) and the top-k sum's write of ``y`` each form ``token * row_stride``; the layer
 on rows ``2^30 + 64`` elements apart (tests/fused_offsets.py: token 2 past 2^31, lazily
 allocated) must give the bits it gives on contiguous rows. Negative controls: an int32 offset

@@ -38,7 +38,7 @@ def test_a_call_is_the_fused_forward_on_the_tables_tiles_with_buffers_of_its_own
 
 
 def test_the_breakdown_times_the_layers_router_and_the_whole_layer_beside_the_kernel(device):
-    from magi_moe.bench.sweep import breakdown_case
+    from magi_moe.bench.breakdown import breakdown_case
 
     problem = random_problem(preset("tiny"), 19, seed=5, device=device)
     ms = breakdown_case(problem, warmup=0, iters=1, flush_mib=256)["ms"]

@@ -13,9 +13,13 @@ import torch
 from magi_moe.config import MoEConfig, preset
 from magi_moe.kernels import plan as P
 from magi_moe.kernels.device import DeviceFacts
+from magi_moe.kernels.expert_mlp import EXPERT_MLP
+from magi_moe.kernels.gate_up_down import DOWN, GATE_UP
+from magi_moe.kernels.launch_steps import Launcher
 from magi_moe.kernels.plan import plan_fused
 from magi_moe.kernels.schedule import max_blocks
 from magi_moe.kernels.tiles import PORTABLE_TILES, FusedTiles, two_kernel_tiles
+from magi_moe.kernels.topk_sum import TOPK_SUM
 from magi_moe.weights import ExpertWeights, random_weights
 
 H200 = DeviceFacts(tma=True, shared_memory=232448, multiprocessors=132)
@@ -93,28 +97,17 @@ def test_a_compiled_kernel_over_the_shared_memory_takes_the_two_kernels():
     assert plan.reasons == () and "expert_mlp_tma_kernel" in plan.kernels
 
 
-def test_descriptor_two_kernel_variants_on_hopper():
+def test_each_weight_the_one_kernel_reads_is_checked_for_descriptors():
+    """An unaligned ``w_up`` sends the one-kernel step to the two kernels; a ``w_down`` with
+    padded rows is fine where its row stride is a multiple of 16 bytes, refused otherwise."""
     cfg = preset("small")
-    tiles = FusedTiles(gu_variant="tma_gathered", gu_act_store="tma", block_m=64, gu_block_n=128,
-                       gu_block_k=32, down_variant="tma").fitted(cfg)
-    plan = plan_fused(cfg, 300, 3600, tiles, H200, _weights(cfg))
-    assert plan.kernels == ("block_schedule_kernel", "gather_rows_kernel", "gate_up_tma_kernel",
-                            "down_tma_kernel", "topk_sum_kernel")
-    assert plan.reasons == ()
-    nb = plan.max_blocks
-    assert plan.step("gather_rows_kernel").grid == nb  # one program per possible block
-    assert plan.step("gate_up_tma_kernel").grid == min(nb * (128 // 128), 132)
-    assert plan.step("down_tma_kernel").grid == min(nb * (64 // tiles.down_block_n), 132)
-
-
-def test_unaligned_weights_fall_back_kernel_by_kernel():
-    cfg = preset("small")
-    tiles = FusedTiles(gu_variant="tma", down_variant="tma").fitted(cfg)
-    plan = plan_fused(cfg, 100, 1200, tiles, H200, _weights(cfg, unaligned=("w_up",)))
-    assert plan.kernels == ("block_schedule_kernel", "gate_up_kernel", "down_tma_kernel",
+    tiles = ONE_KERNEL.fitted(cfg)
+    plan = plan_fused(cfg, 100, 1200, tiles, H200, _weights(cfg, unaligned=("w_up",)),
+                      shared_memory_of=_never_measured)
+    assert plan.kernels == ("block_schedule_kernel", "gate_up_kernel", "down_kernel",
                             "topk_sum_kernel")
-    assert plan.reasons == ("gu_variant 'tma' -> gate_up_kernel: w_up: base address not "
-                            "16-byte aligned",)
+    assert plan.reasons == ("gu_variant 'mlp_tma' -> gate_up_kernel + down_kernel: w_up: base "
+                            "address not 16-byte aligned",)
     assert plan.step("gate_up_kernel").tiles.gu_variant == "kloop"
     strided = _weights(cfg)
     padded = torch.empty(cfg.num_banks, cfg.intermediate_size, cfg.head_dim + 8,
@@ -123,8 +116,8 @@ def test_unaligned_weights_fall_back_kernel_by_kernel():
     odd = torch.empty(cfg.num_banks, cfg.intermediate_size, cfg.head_dim + 4,
                       dtype=strided.w_down.dtype)[..., :cfg.head_dim]
     plan = plan_fused(cfg, 100, 1200, tiles, H200, strided._replace(w_down=odd))
-    assert plan.reasons == ("down_variant 'tma' -> down_kernel: w_down: row stride of 136 bytes "
-                            "not a multiple of 16",)
+    assert plan.reasons == ("gu_variant 'mlp_tma' -> gate_up_kernel + down_kernel: w_down: row "
+                            "stride of 136 bytes not a multiple of 16",)
 
 
 def test_grids_follow_the_device():
@@ -153,8 +146,10 @@ def test_only_keeps_the_named_launches_in_order():
     plan = plan_fused(cfg, 100, 1200, PORTABLE_TILES.fitted(cfg), H200, _weights(cfg))
     part = plan.only("topk_sum_kernel", "gate_up_kernel")
     assert part.kernels == ("gate_up_kernel", "topk_sum_kernel")
-    with pytest.raises(KeyError, match="not 'down_tma_kernel'"):
-        plan.step("down_tma_kernel")
+    assert plan.only(TOPK_SUM, GATE_UP).steps == part.steps  # launchers name the same steps
+    assert plan.step(DOWN) is plan.step("down_kernel")
+    with pytest.raises(KeyError, match="not 'expert_mlp_tma_kernel'"):
+        plan.step(EXPERT_MLP)
 
 
 @pytest.mark.parametrize("field,value,expected", [
@@ -169,15 +164,31 @@ def test_bad_device_facts_are_refused(field, value, expected):
     assert str(raised.value) == expected
 
 
-def test_run_plan_refuses_a_step_it_has_no_launcher_for():
-    from magi_moe.kernels.fused import FusedCall, run_plan
+def _call():
+    from magi_moe.kernels.launch_steps import FusedCall
     from magi_moe.kernels.workspace import FusedWorkspace
     from magi_moe.problems import random_problem
 
     p = random_problem(preset("tiny"), 4, seed=1)
-    call = FusedCall(p.x, p.table, p.weights, p.config, FusedWorkspace("cpu"), None,
+    return FusedCall(p.x, p.table, p.weights, p.config, FusedWorkspace("cpu"), None,
                      torch.empty(0), torch.empty(0))
-    plan = P.LaunchPlan((P.LaunchStep("mystery_kernel", 1, PORTABLE_TILES),), PORTABLE_TILES,
-                        INTERPRETER, 0)
-    with pytest.raises(ValueError, match="run_plan cannot launch 'mystery_kernel'"):
-        run_plan(plan, call)
+
+
+def test_run_plan_launches_each_step_by_the_launcher_it_carries():
+    from magi_moe.kernels.fused import run_plan
+
+    launched = []
+    first = Launcher("first_kernel", lambda step, call: launched.append((step.kernel, step.grid)))
+    second = Launcher("second_kernel", lambda step, call: launched.append((step.kernel, step.grid)))
+    plan = P.LaunchPlan((P.LaunchStep(second, 2, PORTABLE_TILES),
+                         P.LaunchStep(first, 1, PORTABLE_TILES)), PORTABLE_TILES, INTERPRETER, 0)
+    run_plan(plan, _call())
+    assert launched == [("second_kernel", 2), ("first_kernel", 1)]
+
+
+def test_a_descriptor_step_without_its_descriptors_is_refused():
+    from magi_moe.kernels.fused import run_plan
+
+    plan = P.LaunchPlan((P.LaunchStep(EXPERT_MLP, 1, ONE_KERNEL),), ONE_KERNEL, INTERPRETER, 0)
+    with pytest.raises(ValueError, match="call.descriptors has none for expert_mlp_tma_kernel"):
+        run_plan(plan, _call())

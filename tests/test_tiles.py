@@ -31,9 +31,7 @@ def fresh_warnings(monkeypatch):
     (FusedTiles, "gu_stages", 0, "a positive int"),
     (FusedTiles, "down_programs_per_sm", True, "a positive int"),
     (FusedTiles, "gu_maxnreg", -1, "an int >= 0"),
-    (FusedTiles, "gu_variant", "wide", "one of ('kloop', 'tma', 'tma_gathered', 'mlp_tma')"),
-    (FusedTiles, "gu_act_store", "smem", "one of ('ptr', 'tma')"),
-    (FusedTiles, "down_variant", "kloop", "one of ('ptr', 'tma')"),
+    (FusedTiles, "gu_variant", "tma", "one of ('kloop', 'mlp_tma')"),
     (RoutingTiles, "block_s", 24, "a positive power of two"),
     (RoutingTiles, "place_warps", 0, "a positive power of two"),
 ], ids=lambda v: str(v) if not isinstance(v, type) else v.__name__)
@@ -51,6 +49,21 @@ def test_fitted_tiles_stay_valid_and_divide_the_widths():
     one_kernel = FusedTiles(gu_variant="mlp_tma", block_m=128, gu_block_n=32, gu_block_k=256)
     fallback = T.two_kernel_tiles(one_kernel, cfg)
     assert fallback.gu_variant == "kloop" and fallback.block_m == 128 and fallback.gu_warps == 8
+
+
+def test_the_shipped_table_names_exactly_the_fields_of_its_records():
+    """The shipped tables are written as :func:`write_tile_table` writes them now: every class
+    names each :class:`FusedTiles` field and no other (a field dropped from the record is
+    dropped from the table too, not silently ignored by the loader)."""
+    from dataclasses import fields
+
+    table = json.loads(T.TILE_TABLE.read_text())
+    want = {f.name for f in fields(FusedTiles)}
+    for entry in table["devices"]:
+        for i, cls in enumerate(entry["classes"]):
+            assert set(cls["tiles"]) == want, (entry["match"], i, set(cls["tiles"]) ^ want)
+        if "routing" in entry:
+            assert set(entry["routing"]) <= {f.name for f in fields(RoutingTiles)}, entry["match"]
 
 
 def _table(tmp_path):
@@ -124,11 +137,11 @@ def test_the_interpreter_uses_its_own_tiles_without_a_warning(monkeypatch):
 
 def test_the_environment_override_wins_and_warns_once(monkeypatch):
     cfg = preset("tiny")
-    monkeypatch.setenv(T.OVERRIDE_ENV, '{"block_m": 32, "gu_variant": "tma"}')
+    monkeypatch.setenv(T.OVERRIDE_ENV, '{"block_m": 32, "gu_variant": "mlp_tma"}')
     with pytest.warns(TileTableWarning, match="MAGI_MOE_FUSED_TILES is set"):
         choice = fused_tile_choice(cfg, 100, torch.device("cpu"))
     assert choice.source == "environment"
-    assert (choice.tiles.block_m, choice.tiles.gu_variant, choice.tiles.gu_warps) == (32, "tma", 4)
+    assert (choice.tiles.block_m, choice.tiles.gu_variant, choice.tiles.gu_warps) == (32, "mlp_tma", 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert fused_tile_choice(cfg, 100, torch.device("cpu")) == choice

@@ -31,9 +31,9 @@ with its error and not timed (a ``forward`` that returns a new tensor instead of
 too); a case outside its declared shapes is reported unsupported, one whose ``supports()``
 raises as error.
 
-``--sweep`` times the fused kernels' tile candidates per case and writes the winners into
-``magi_moe/kernels/tiles/fused.json`` through the function the loader reads (:mod:`.sweep`);
-``--breakdown`` times each launch of the fused path's plan alone.
+``--breakdown`` times each launch of the fused path's plan alone (:mod:`.breakdown`). The tile
+sweep that writes ``magi_moe/kernels/tiles/fused.json`` is the checkout's tuner, ``python -m
+tuner``, outside the package.
 
 Exit status, said on the last line when not 0: 0 when no path was wrong and at least one path
 asked for (the ``--impl`` paths, else every path) was timed; 1 when a path was WRONG or raised
@@ -53,10 +53,10 @@ import torch
 
 from ..registry import get_implementation
 from ..text_tables import format_table as text_table
+from .breakdown import breakdown_case
 from .cases import ANCHOR_CASES, COPY_GBPS, DRAWS, MATMUL_TFLOPS, BenchCase, draw_problem
 from .machine import machine_info
 from .paths import ALL_PATHS, COMPARED_PATHS, DEFAULT_PATHS, BenchPath, paths_of, resolve
-from .sweep import SWEPT_KERNELS, breakdown_case, run_sweep
 from .timing import run_case, timer_label
 
 
@@ -185,15 +185,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", default=None,
                     help="cuda (the default; refused at once without a GPU) or cpu, a smoke test of "
                          "the harness with host timers that needs TRITON_INTERPRET=1 for the Triton paths")
-    ap.add_argument("--sweep", action="store_true", help="sweep the fused kernels' tiles first")
-    ap.add_argument("--write-tiles", action="store_true", help="with --sweep: update tiles/fused.json")
-    ap.add_argument("--sweep-only", action="store_true", help="with --sweep: no benchmark after it")
-    ap.add_argument("--sweep-kernels", default=",".join(SWEPT_KERNELS),
-                    help=f"with --sweep: the kernels whose candidates are timed, among "
-                         f"{','.join(SWEPT_KERNELS)} (default all; down needs gate_up, and the "
-                         f"top-k sum is always swept: a table entry needs its tiles)")
-    ap.add_argument("--merge-tiles", action="store_true",
-                    help="with --write-tiles: replace only the tabled classes the swept cases fall in")
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="on a GPU also time every path replayed from a captured CUDA graph "
                          "('NAME graph') and every layer compiled with mode='reduce-overhead' "
@@ -208,12 +199,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.draws = tuple(d for d in args.draw.split(",") if d)
     if not args.draws or any(d not in DRAWS for d in args.draws):
         ap.error(f"--draw must be among {','.join(DRAWS)}, got {args.draw!r}")
-    args.sweep_kernels = tuple(k for k in args.sweep_kernels.split(",") if k)
-    if any(k not in SWEPT_KERNELS for k in args.sweep_kernels):
-        ap.error(f"--sweep-kernels must be among {','.join(SWEPT_KERNELS)}, got {args.sweep_kernels}")
-    if "down" in args.sweep_kernels and "gate_up" not in args.sweep_kernels:
-        ap.error("--sweep-kernels: down reads the activations gate_up writes; add gate_up")
-    args.sweep_kernels = tuple(dict.fromkeys(args.sweep_kernels + ("sum",)))
     impl_paths = []
     for spec in args.impl:
         try:
@@ -271,11 +256,6 @@ def main(argv=None) -> int:
                     "args": {k: [p.name for p in v] if k == "paths" else v
                              for k, v in vars(args).items()},
                     "ceilings": {"copy_gbps": COPY_GBPS, "matmul_tflops": MATMUL_TFLOPS}}
-    if args.sweep:
-        report["sweep"] = run_sweep(cases, device=device, warmup=3, iters=max(5, args.iters // 5),
-                                    flush_mib=args.flush_mib, write=args.write_tiles,
-                                    merge=args.merge_tiles, kernels=args.sweep_kernels)
-        print(json.dumps({k: report["sweep"][k] for k in ("classes", "routing")}, indent=1), flush=True)
     if args.breakdown:
         report["breakdown"] = {}
         for case in cases:
@@ -287,7 +267,7 @@ def main(argv=None) -> int:
                   + "  ".join(f"{k} {v:.3f}" for k, v in bd["ms"].items()), flush=True)
             del problem
     results = []
-    for case in ([] if args.sweep and args.sweep_only else cases):
+    for case in cases:
         results.append(run_case(case, args.paths, device=device, warmup=args.warmup,
                                 iters=args.iters, rounds=args.rounds, flush_mib=args.flush_mib,
                                 graphs=args.graphs))
@@ -309,8 +289,6 @@ def main(argv=None) -> int:
 def exit_status(results: list[dict], asked) -> tuple[int, str | None]:
     """(status, last line): 1 when a path was WRONG or raised, 5 when none of ``asked`` was timed
     in any case (a green run that timed nothing would read as a pass), else 0."""
-    if not results:  # --sweep --sweep-only: no case was meant to be timed
-        return 0, None
     failed: dict[str, list[str]] = {}
     for r in results:
         for name, check in r["parity"].items():

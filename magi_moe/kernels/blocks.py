@@ -1,6 +1,6 @@
 """What a work item of the fused path reads about its row block and the stores that end it,
-shared by the pointer-load kernels (:mod:`magi_moe.kernels.fused`) and the tensor-descriptor
-ones (:mod:`.fused_tma`), so both address the same routes and write exactly the same values to
+shared by the two-kernel path (:mod:`.gate_up_down`) and the one-kernel step
+(:mod:`.expert_mlp`), so both address the same routes and write exactly the same values to
 exactly the same places."""
 import triton
 import triton.language as tl
@@ -19,17 +19,11 @@ def block_rows(block, bank, block_start_ptr, offsets_ptr, BLOCK_M: tl.constexpr)
 
 
 @triton.jit
-def activation(acc_g, acc_u, dtype: tl.constexpr, SOFT_BF16: tl.constexpr):
-    """SwiGLU7 of the fp32 gate/up accumulators, rounded once to the activation dtype."""
-    return round_to(swiglu7(acc_g, acc_u), dtype, SOFT_BF16)
-
-
-@triton.jit
 def store_activation(acc_g, acc_u, block, n, act_ptr, stride_act, BLOCK_M: tl.constexpr,
                      SOFT_BF16: tl.constexpr):
-    """The activation of a work item into the block's padded rows (padding rows had x = 0, so
-    they store exact zeros)."""
-    act = activation(acc_g, acc_u, act_ptr.dtype.element_ty, SOFT_BF16)
+    """SwiGLU7 of the fp32 gate/up accumulators, rounded once to the activation dtype, into the
+    work item's block's padded rows (padding rows had x = 0, so they store exact zeros)."""
+    act = round_to(swiglu7(acc_g, acc_u), act_ptr.dtype.element_ty, SOFT_BF16)
     padded = tl.cast(block, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     tl.store(act_ptr + padded[:, None] * stride_act + n[None, :], act)
 

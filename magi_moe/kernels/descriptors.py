@@ -1,7 +1,7 @@
-"""Tensor descriptors (TMA) over the fused path's weights and buffers, and why one cannot be
-made: the launch planner asks :func:`banked_problem` / :func:`matrix_problem` before anything
-launches; :func:`step_descriptors` makes the descriptors the plan promised, before the first
-launch.
+"""Tensor descriptors (TMA) over the fused path's banked weights, and why one cannot be made:
+the launch planner asks :func:`banked_problem` before anything launches;
+:func:`step_descriptors` makes the descriptors the plan promised (each step's
+:class:`~.launch_steps.Launcher` says which), before the first launch.
 
 A banked weight ``[banks, rows, cols]`` is viewed as 2-D ``[banks * rows, cols]`` through its
 strides, so a tile at ``(bank * rows + k, n)`` never crosses a bank (the reductions are whole
@@ -13,7 +13,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..weights import ExpertWeights
-from .launch_steps import DOWN_TMA, EXPERT_MLP, GATE_UP_TMA, LaunchStep
+from .launch_steps import LaunchStep
 
 
 def banked_problem(w: torch.Tensor) -> str | None:
@@ -35,22 +35,6 @@ def banked_problem(w: torch.Tensor) -> str | None:
     return None
 
 
-def matrix_rows_problem(rows: int) -> str | None:
-    """Why a row-major buffer of ``rows`` rows cannot be a descriptor's source, or None."""
-    return f"{rows} rows >= 2^31" if rows >= 2**31 else None
-
-
-def matrix_problem(t: torch.Tensor) -> str | None:
-    """Why no descriptor can address the 2-D row-major ``t``, or None when one can."""
-    if t.stride(1) != 1:
-        return f"last dim not contiguous (strides {tuple(t.stride())})"
-    if (t.stride(0) * t.element_size()) % 16:
-        return f"row stride of {t.stride(0) * t.element_size()} bytes not a multiple of 16"
-    if t.data_ptr() % 16:
-        return "base address not 16-byte aligned"
-    return matrix_rows_problem(t.shape[0])
-
-
 def banked_descriptor(w: torch.Tensor, block_shape: list[int]) -> TensorDescriptor | None:
     """A 2-D descriptor ``[banks * rows, cols]`` over a ``[banks, rows, cols]`` weight read
     through its strides, or None when :func:`banked_problem` finds a reason."""
@@ -60,41 +44,15 @@ def banked_descriptor(w: torch.Tensor, block_shape: list[int]) -> TensorDescript
     return TensorDescriptor(w, [banks * rows, cols], [w.stride(1), 1], block_shape)
 
 
-def matrix_descriptor(t: torch.Tensor, block_shape: list[int]) -> TensorDescriptor | None:
-    """A descriptor over a 2-D row-major tensor, or None where TMA cannot address it."""
-    if matrix_problem(t) is not None:
-        return None
-    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block_shape)
-
-
-def step_descriptors(steps: tuple[LaunchStep, ...], weights: ExpertWeights, head_dim: int,
-                     act: torch.Tensor | None, gathered: torch.Tensor | None) -> dict[str, dict]:
-    """Every tensor descriptor a plan's ``steps`` read, by kernel and operand: over the weights
-    and over the ``act`` and ``gathered`` buffers. The plan checked the same layouts, so one
-    that cannot be made is a bug, never a silent fallback."""
-    w = weights
-    made: dict[str, dict] = {}
-    for step in steps:
-        t = step.tiles
-        if step.kernel == EXPERT_MLP:
-            made[EXPERT_MLP] = {"w_gate": banked_descriptor(w.w_gate, [head_dim, t.gu_block_n]),
-                                "w_up": banked_descriptor(w.w_up, [head_dim, t.gu_block_n]),
-                                "w_down": banked_descriptor(w.w_down, [t.gu_block_n, head_dim])}
-        elif step.kernel == GATE_UP_TMA:
-            bk, bn = t.gu_block_k, t.gu_block_n
-            descs = {"w_gate": banked_descriptor(w.w_gate, [bk, bn]),
-                     "w_up": banked_descriptor(w.w_up, [bk, bn])}
-            if t.gu_variant == "tma_gathered":
-                descs["x"] = matrix_descriptor(gathered, [t.block_m, bk])
-            if t.gu_act_store == "tma":
-                descs["act"] = matrix_descriptor(act, [t.block_m, bn])
-            made[GATE_UP_TMA] = descs
-        elif step.kernel == DOWN_TMA:
-            made[DOWN_TMA] = {"act": matrix_descriptor(act, [t.block_m, t.down_block_k]),
-                              "w_down": banked_descriptor(w.w_down,
-                                                          [t.down_block_k, t.down_block_n])}
-    for kernel, descs in made.items():
+def step_descriptors(steps: tuple[LaunchStep, ...], weights: ExpertWeights,
+                     head_dim: int) -> dict[LaunchStep, dict]:
+    """Every tensor descriptor a plan's ``steps`` read, by step and operand (the steps whose
+    launcher reads any). The plan checked the same layouts, so one that cannot be made is a
+    bug, never a silent fallback."""
+    made = {step: step.launcher.descriptors(step, weights, head_dim)
+            for step in steps if step.launcher.descriptors is not None}
+    for step, descs in made.items():
         if any(d is None for d in descs.values()):
-            raise RuntimeError(f"{kernel}: the launch plan promised tensor descriptors that "
+            raise RuntimeError(f"{step.kernel}: the launch plan promised tensor descriptors that "
                                f"cannot be made")
     return made

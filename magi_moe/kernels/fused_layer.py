@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 from ..config import MoEConfig
-from .fused import FusedCall, compiled_shared_memory, run_plan
+from .expert_mlp import compiled_shared_memory
+from .fused import run_plan
 from .fused_inputs import check_layer_inputs
 from .fused_prepare import prepare_layer
-from .fused_routing import launch_router
+from .router import launch_router
+from .launch_steps import FusedCall
 from .workspace import FusedWorkspace
 
 
@@ -16,7 +18,7 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
                         weights, config: MoEConfig, *, out: torch.Tensor | None = None,
                         workspace: FusedWorkspace | None = None) -> torch.Tensor:
     """:func:`~.fused_inputs.check_layer_inputs`, :func:`~.fused_prepare.prepare_layer` (tiles,
-    plan, buffers), :func:`~magi_moe.kernels.fused_routing.launch_router` (which also builds the
+    plan, buffers), :func:`~magi_moe.kernels.router.launch_router` (which also builds the
     block schedule), then :func:`~magi_moe.kernels.fused.run_plan`. Seven launches, no host
     synchronisation, no allocation once warm except ``out`` when not given."""
     check_layer_inputs(x, gate, bias, weights, config, out)
@@ -35,5 +37,5 @@ def fused_layer_forward(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor 
     # would cost a sync), also for inference tensors, whose changes no version counter records.
     run_plan(launch.plan, FusedCall(x, routes.table, weights, config, b.workspace,
                                     routes.schedule, b.rows, b.slot_route, out, b.act,
-                                    b.gathered, b.descriptors))
+                                    b.descriptors))
     return out

@@ -19,8 +19,8 @@ from ..config import MoEConfig
 from ..weights import ExpertWeights
 from .descriptors import step_descriptors
 from .device import device_facts
-from .launch_steps import GATE_UP_TMA, GATHER_ROWS
-from .plan import LaunchPlan, LaunchStep, plan_fused
+from .launch_steps import LaunchStep
+from .plan import LaunchPlan, plan_fused
 from .tiles import RoutingTiles, choose_layer_tiles
 from .workspace import FusedWorkspace, shared_workspace
 
@@ -30,15 +30,14 @@ class ExpertBuffers:
     """What the expert launches use besides their inputs: ``workspace`` (whose views the
     buffers are), ``rows`` ``[R, Dh]`` fp32 and ``slot_route`` ``[S*H*K]`` int32 (the
     per-route rows and where each slot's row is), ``act`` (the two-kernel path's activation
-    buffer) and ``gathered`` (the ``tma_gathered`` variant's x rows), each None where the plan
-    has no such step, and ``descriptors``, :func:`~.descriptors.step_descriptors`'s."""
+    buffer, None where the plan has no such path) and ``descriptors``,
+    :func:`~.descriptors.step_descriptors`'s."""
 
     workspace: FusedWorkspace
     rows: torch.Tensor
     slot_route: torch.Tensor
     act: torch.Tensor | None
-    gathered: torch.Tensor | None
-    descriptors: dict[str, dict]
+    descriptors: dict[LaunchStep, dict]
 
 
 def expert_buffers(workspace: FusedWorkspace | None, device: torch.device, plan: LaunchPlan,
@@ -59,13 +58,8 @@ def expert_buffers(workspace: FusedWorkspace | None, device: torch.device, plan:
                                    torch.int32)
     act = (workspace.get("act", (plan.activation_rows, config.intermediate_size), dtype)
            if plan.activation_rows else None)
-    gather = next((s for s in plan.steps if s.kernel in (GATHER_ROWS, GATE_UP_TMA)
-                   and s.tiles.gu_variant == "tma_gathered"), None)
-    gathered = (workspace.get("x_gathered", (plan.max_blocks * gather.tiles.block_m,
-                                             config.head_dim), dtype)
-                if gather is not None else None)
-    descriptors = step_descriptors(plan.steps, weights, config.head_dim, act, gathered)
-    return ExpertBuffers(workspace, rows, slot_route, act, gathered, descriptors)
+    descriptors = step_descriptors(plan.steps, weights, config.head_dim)
+    return ExpertBuffers(workspace, rows, slot_route, act, descriptors)
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,16 @@
 
 :func:`plan_fused` decides on the host, before anything launches, from the config, the token and
 route counts, the tiles asked for, the device (:class:`~.device.DeviceFacts`) and the weights'
-layout; :func:`magi_moe.kernels.fused.run_plan` launches the steps in order. Where the tiles
-ask for a kernel that cannot run, the plan takes the fallback and says why in ``reasons``:
+layout; :func:`magi_moe.kernels.fused.run_plan` launches the steps in order, each by the
+launcher it carries. Where the tiles ask for a kernel that cannot run, the plan takes the
+fallback and says why in ``reasons``:
 
-* ``mlp_tma`` (one kernel for gate/up and down) needs TMA (Hopper or later), a head width that
-  is a power of two in 16..256 (a ``[Dh, BLOCK_N]`` tile is one descriptor box), weights a
-  descriptor can view, and, on a GPU, a compiled kernel that fits its shared memory (measured
-  on the compiled kernel by the caller's ``shared_memory_of``). Otherwise gate/up + down run,
-  on :func:`~.tiles.two_kernel_tiles`.
-* ``tma`` / ``tma_gathered`` gate/up need TMA and descriptor-ready ``w_gate``/``w_up``, else
-  the K-loop kernel runs on the same tiles; an activation store by descriptor needs an
-  addressable buffer, else a pointer store.
-* a ``tma`` down projection needs TMA and a descriptor-ready ``w_down``, else pointer loads.
+* ``mlp_tma`` (one kernel for gate/up and down, :mod:`.expert_mlp`) needs TMA (Hopper or
+  later), a head width that is a power of two in 16..256 (a ``[Dh, BLOCK_N]`` tile is one
+  descriptor box), weights a descriptor can view, and, on a GPU, a compiled kernel that fits
+  its shared memory (measured on the compiled kernel by the caller's ``shared_memory_of``).
+  Otherwise gate/up + down run (:mod:`.gate_up_down`), on :func:`~.tiles.two_kernel_tiles`.
+* ``kloop`` tiles run gate/up + down as asked; they need nothing a GPU may lack.
 
 A plan for a real device: ``plan_fused(cfg, S, R, tiles, device_facts(x.device), weights)``;
 for a GPU this machine lacks: ``DeviceFacts(tma=True, shared_memory=232448,
@@ -26,12 +24,14 @@ from typing import Callable
 
 from ..config import MoEConfig
 from ..weights import ExpertWeights
-from .descriptors import banked_problem, matrix_rows_problem
+from .descriptors import banked_problem
 from .device import DeviceFacts, persistent_grid
-from .launch_steps import (DOWN, DOWN_TMA, EXPERT_MLP, GATE_UP, GATE_UP_TMA,  # noqa: F401
-                           GATHER_ROWS, SCHEDULE, TOPK_SUM, LaunchStep)  # (handed on)
-from .schedule import cdiv, max_blocks, schedule_programs
+from .expert_mlp import EXPERT_MLP
+from .gate_up_down import DOWN, GATE_UP
+from .launch_steps import Launcher, LaunchStep
+from .schedule import SCHEDULE, cdiv, max_blocks, schedule_programs
 from .tiles import FusedTiles, two_kernel_tiles
+from .topk_sum import TOPK_SUM
 
 NO_TMA = "no TMA (tensor descriptors) before Hopper"
 
@@ -54,18 +54,21 @@ class LaunchPlan:
 
     @property
     def kernels(self) -> tuple[str, ...]:
+        """The Triton kernels' names, in launch order."""
         return tuple(s.kernel for s in self.steps)
 
-    def step(self, kernel: str) -> LaunchStep:
+    def step(self, kernel: Launcher | str) -> LaunchStep:
+        """The step of ``kernel`` (a launcher or its kernel's name)."""
         for s in self.steps:
-            if s.kernel == kernel:
+            if s.kernel == str(kernel):
                 return s
-        raise KeyError(f"the plan launches {self.kernels}, not {kernel!r}")
+        raise KeyError(f"the plan launches {self.kernels}, not {str(kernel)!r}")
 
-    def only(self, *kernels: str) -> "LaunchPlan":
-        """The same plan restricted to ``kernels`` (a tuner times one launch at a time); its
-        buffers stay the whole plan's."""
-        return replace(self, steps=tuple(s for s in self.steps if s.kernel in kernels))
+    def only(self, *kernels: Launcher | str) -> "LaunchPlan":
+        """The same plan restricted to ``kernels`` (launchers or names; a tuner times one launch
+        at a time); its buffers stay the whole plan's."""
+        names = {str(k) for k in kernels}
+        return replace(self, steps=tuple(s for s in self.steps if s.kernel in names))
 
     def __str__(self) -> str:
         lines = [f"{s.kernel} x {s.grid}" for s in self.steps]
@@ -93,40 +96,6 @@ def _one_kernel_problems(config: MoEConfig, facts: DeviceFacts, weights: ExpertW
     return ([head] if head else []) + _weight_problems(weights, ("w_gate", "w_up", "w_down"))
 
 
-def _gate_up_step(nb: int, grid: int, tiles: FusedTiles, facts: DeviceFacts,
-                  weights: ExpertWeights, reasons: list[str]) -> list[LaunchStep]:
-    """The gate/up launches of the two-kernel path (a gather pass first for ``tma_gathered``)."""
-    variant = tiles.gu_variant
-    if variant == "kloop":
-        return [LaunchStep(GATE_UP, grid, tiles)]
-    rows = nb * tiles.block_m
-    why = [NO_TMA] if not facts.tma else _weight_problems(weights, ("w_gate", "w_up"))
-    gathered = variant == "tma_gathered"
-    if facts.tma and gathered and matrix_rows_problem(rows):
-        why.append(f"gathered x rows: {matrix_rows_problem(rows)}")
-    if why:
-        reasons.append(f"gu_variant {variant!r} -> {GATE_UP}: " + "; ".join(why))
-        return [LaunchStep(GATE_UP, grid, replace(tiles, gu_variant="kloop"))]
-    if tiles.gu_act_store == "tma" and matrix_rows_problem(rows):
-        reasons.append(f"gu_act_store 'tma' -> 'ptr': activation buffer: {matrix_rows_problem(rows)}")
-        tiles = replace(tiles, gu_act_store="ptr")
-    steps = [LaunchStep(GATHER_ROWS, nb, tiles)] if gathered else []
-    return steps + [LaunchStep(GATE_UP_TMA, grid, tiles)]
-
-
-def _down_step(nb: int, grid: int, tiles: FusedTiles, facts: DeviceFacts,
-               weights: ExpertWeights, reasons: list[str]) -> LaunchStep:
-    if tiles.down_variant == "ptr":
-        return LaunchStep(DOWN, grid, tiles)
-    why = [NO_TMA] if not facts.tma else _weight_problems(weights, ("w_down",))
-    if facts.tma and matrix_rows_problem(nb * tiles.block_m):
-        why.append(f"activation buffer: {matrix_rows_problem(nb * tiles.block_m)}")
-    if why:
-        reasons.append(f"down_variant 'tma' -> {DOWN}: " + "; ".join(why))
-        return LaunchStep(DOWN, grid, replace(tiles, down_variant="ptr"))
-    return LaunchStep(DOWN_TMA, grid, tiles)
-
-
 def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: FusedTiles,
                facts: DeviceFacts, weights: ExpertWeights, *, schedule_built: bool = False,
                rows_only: bool = False,
@@ -138,7 +107,7 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
     fuzzer's entry; the caller then owns ``slot_route``'s unrouted slots). ``shared_memory_of(step)``: bytes of shared memory the step's compiled
     kernel needs; asked only for the one-kernel step, only where ``facts.shared_memory`` is
     known (on a GPU), and only once everything else allows the step."""
-    # Every size first, then the choices: the grids of both expert paths are known up front
+    # Every size first, then the choice: the grids of both expert paths are known up front
     # (``two``: the two-kernel path's tiles, the asked ones unless they ask for "mlp_tma").
     two = two_kernel_tiles(tiles, config)
     nb = max_blocks(num_routes, config.num_banks, tiles.block_m) if num_routes else 0
@@ -171,8 +140,8 @@ def plan_fused(config: MoEConfig, num_tokens: int, num_routes: int, tiles: Fused
                 steps.append(one)
                 expert = None
         if expert is not None:
-            steps += _gate_up_step(nb, gate_up_grid, expert, facts, weights, reasons)
-            steps.append(_down_step(nb, down_grid, expert, facts, weights, reasons))
+            steps += [LaunchStep(GATE_UP, gate_up_grid, expert),
+                      LaunchStep(DOWN, down_grid, expert)]
             act_rows = nb * expert.block_m
     sums = not rows_only and num_tokens > 0
     if sums:

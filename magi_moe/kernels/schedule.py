@@ -18,14 +18,13 @@ most ``min(H*E, R)`` banks are nonempty); entries past ``block_count`` are never
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ..backends import interpreter_enabled
 from .device import DeviceFacts, persistent_grid
+from .launch_steps import BlockSchedule, FusedCall, Launcher, LaunchStep
 from .workspace import FusedWorkspace
 
 
@@ -96,22 +95,6 @@ def max_blocks(num_routes: int, num_banks: int, block_m: int) -> int:
     return cdiv(num_routes, block_m) + min(num_banks, num_routes)
 
 
-@dataclass(frozen=True)
-class BlockSchedule:
-    """Device-side block schedule: ``block_bank`` int32 and ``block_start`` int64
-    ``[max_blocks]`` (valid below the live count), ``block_count`` int32 ``[1]`` (the live
-    count, never read by the host); ``max_blocks`` is the host-side upper bound."""
-
-    block_bank: torch.Tensor
-    block_start: torch.Tensor
-    block_count: torch.Tensor
-    block_m: int
-
-    @property
-    def max_blocks(self) -> int:
-        return self.block_bank.numel()
-
-
 def schedule_buffers(workspace: FusedWorkspace, num_routes: int, num_banks: int,
                      block_m: int) -> BlockSchedule:
     """The workspace buffers a schedule for this problem is built into (nothing launched)."""
@@ -161,3 +144,11 @@ def launch_block_schedule(offsets: torch.Tensor, num_routes: int, num_banks: int
     schedule = schedule_buffers(workspace, num_routes, num_banks, block_m)
     fill_block_schedule(schedule, offsets, num_banks, counts=counts)
     return schedule
+
+
+def _launch_schedule(step: LaunchStep, call: FusedCall) -> None:
+    """The plan's schedule step: ``call.schedule`` built from the table's offsets."""
+    fill_block_schedule(call.schedule, call.table.offsets, call.config.num_banks)
+
+
+SCHEDULE = Launcher("block_schedule_kernel", _launch_schedule)

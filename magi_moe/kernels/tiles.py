@@ -2,12 +2,12 @@
 
 * :class:`FusedTiles` (the expert GEMMs and the top-k sum) and :class:`RoutingTiles` (the fused
   router), each checked when built: a block a kernel indexes with ``tl.arange`` must be a power
-  of two, a variant must be one the launchers know.
+  of two, a variant must be one the planner knows.
 * The fixed sets: :data:`INTERPRETER_TILES` (the CPU interpreter) and :data:`PORTABLE_TILES`
   (any CUDA GPU without a table entry).
 * The tables in ``tiles/fused.json`` (``tiles/README.md`` describes the format): read by
   :func:`load_device_entry` / :func:`load_tile_table`, written by :func:`write_tile_table`
-  (the sweep of ``python -m magi_moe.bench --sweep``). :func:`fused_tile_choice` says which
+  (by the checkout's tuner, ``python -m tuner``). :func:`fused_tile_choice` says which
   file and which entry it used (:class:`TileChoice`); a GPU without an entry, a missing file and
   the ``MAGI_MOE_FUSED_TILES`` override each warn once (:class:`TileTableWarning`).
 """
@@ -32,12 +32,10 @@ TABLE_FORMAT = ("devices[].match is a substring of torch.cuda.get_device_name();
                 "up to max_routes_per_bank = R / (H*E) (null: no limit)")
 OVERRIDE_ENV = "MAGI_MOE_FUSED_TILES"
 
-# "kloop": K-loop per column tile; "tma": kloop with weight tiles by tensor descriptor;
-# "tma_gathered": x rows gathered first, both operands by descriptor; "mlp_tma": gate/up and
-# the down projection of a whole row block in one work item (kernels/fused_tma.py).
-GATE_UP_VARIANTS = ("kloop", "tma", "tma_gathered", "mlp_tma")
-ACT_STORES = ("ptr", "tma")
-DOWN_VARIANTS = ("ptr", "tma")
+# "kloop": gate/up and down as two kernels, a K loop per column tile (kernels/gate_up_down.py);
+# "mlp_tma": gate/up and the down projection of a whole row block in one work item
+# (kernels/expert_mlp.py).
+GATE_UP_VARIANTS = ("kloop", "mlp_tma")
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +63,8 @@ def _check_choice(owner: str, name: str, value, choices: tuple[str, ...]) -> Non
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class FusedTiles:
-    """Block shapes of the three expert kernels. ``block_m`` is shared: it sets the padding."""
+    """Block shapes of the expert kernels and the top-k sum. ``block_m`` is shared: it sets the
+    padding."""
 
     block_m: int = 64
     gu_block_n: int = 64
@@ -78,12 +77,10 @@ class FusedTiles:
     # which kernels run instead.
     gu_variant: str = "kloop"
     gu_maxnreg: int = 0         # register cap per thread (0: the compiler's choice), for occupancy
-    gu_act_store: str = "ptr"   # descriptor variants: "ptr" or "tma" store of the activation
     down_block_n: int = 128
     down_block_k: int = 64
     down_warps: int = 4
     down_stages: int = 3
-    down_variant: str = "ptr"   # "ptr": pointer loads; "tma": both operands by descriptor
     sum_block_t: int = 16
     sum_warps: int = 4
     # Persistent grids: programs per multiprocessor (the occupancy the tiles allow).
@@ -98,8 +95,6 @@ class FusedTiles:
             _check_int("FusedTiles", name, getattr(self, name))
         _check_int("FusedTiles", "gu_maxnreg", self.gu_maxnreg, minimum=0)
         _check_choice("FusedTiles", "gu_variant", self.gu_variant, GATE_UP_VARIANTS)
-        _check_choice("FusedTiles", "gu_act_store", self.gu_act_store, ACT_STORES)
-        _check_choice("FusedTiles", "down_variant", self.down_variant, DOWN_VARIANTS)
 
     def fitted(self, config: MoEConfig) -> "FusedTiles":
         """The same tiles with N/K blocks shrunk to powers of two dividing the widths (the
@@ -152,7 +147,7 @@ def two_kernel_tiles(tiles: FusedTiles, config: MoEConfig) -> FusedTiles:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class RoutingTiles:
-    """Block shapes of the fused router's kernels (:mod:`magi_moe.kernels.fused_routing`)."""
+    """Block shapes of the fused router's kernels (:mod:`magi_moe.kernels.router`)."""
 
     block_s: int = 32
     block_d: int = 64
@@ -203,7 +198,7 @@ def _known(cls, values: dict, where: str) -> dict:
 
 @lru_cache(maxsize=None)
 def load_device_entry(device_name: str, path: Path | None = None) -> dict | None:
-    """This GPU's entry of ``tiles/fused.json`` (written by ``python -m magi_moe.bench --sweep``), or
+    """This GPU's entry of ``tiles/fused.json`` (written by the tuner, ``python -m tuner``), or
     None when it has none (or there is no file): the first entry whose ``match`` is a substring
     of the name, case ignored."""
     path = path or TILE_TABLE
@@ -327,7 +322,7 @@ def gpu_tile_choice(config: MoEConfig, num_routes: int, device_name: str,
         choice = TileChoice(PORTABLE_TILES.fitted(config), "portable", path)
         _warn_once(("fused", device_name, str(path)),
                    f"the fused kernels on {device_name} use {choice}; "
-                   f"python -m magi_moe.bench --sweep --write-tiles tables this GPU")
+                   f"python -m tuner --anchors --write (from a checkout) tables this GPU")
         return choice
     per_bank = num_routes / max(config.num_banks, 1)
     edge, tiles = next(((e, t) for e, t in classes if per_bank <= e), classes[-1])

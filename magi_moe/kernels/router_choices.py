@@ -11,7 +11,7 @@ import torch
 
 from ..config import MoEConfig
 from ..routing import Routes, RouteTable
-from .fused_routing import fused_route
+from .router import fused_route
 
 
 class TabledRoutes(NamedTuple):
@@ -25,7 +25,7 @@ class TabledRoutes(NamedTuple):
 
 def fused_routes(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
                  config: MoEConfig) -> Routes:
-    """:func:`~magi_moe.kernels.fused_routing.fused_route`'s choices, copied out of its workspace."""
+    """:func:`~magi_moe.kernels.router.fused_route`'s choices, copied out of its workspace."""
     found = fused_route(x, gate, bias, config)
     return Routes(expert_ids=found.expert_ids.to(torch.int64), probs=found.probs.clone())
 
