@@ -25,6 +25,7 @@ import torch
 from magi_moe.implementation import Implementation
 from magi_moe.problems import Problem, run_poisoned
 from magi_moe.routing import Routes, build_route_table
+from magi_moe.verdict import LayerWrongOnItsOwn
 
 from .bounds import DEFAULT_FAILURE_PROBABILITY
 from .judge import Inaccurate, judge
@@ -194,10 +195,16 @@ def check_layer_row_isolation(impl: Implementation, config, state: dict, x: torc
     # plain model (the cache audit's) bounds
     model = impl if y.dtype == impl.output_dtype(x.dtype) else FRESHNESS_MODEL
 
-    def alone():
+    result = _judge_rows(y[kept], kept, clean, model, what, failure_probability)
+    if not result.ok:
         with torch.no_grad():
-            return impl.layer(config, state, x.device)(x_clean)
-    return _judge_rows(y[kept], kept, clean, model, what, failure_probability, alone=alone)
+            alone = judge(impl.layer(config, state, x.device)(x_clean), clean, model,
+                          failure_probability=failure_probability)
+        if not alone.ok:  # one root cause, one row: the clauses that judge a fresh layer say it
+            raise LayerWrongOnItsOwn(f"{what}: the layer is as wrong on the clean rows alone, so "
+                                     f"no poisoned row is to blame (see the checkpoint, routing "
+                                     f"and accuracy rows): {alone.text.splitlines()[0]}")
+    return result
 
 
 def _weights(state: dict, config):

@@ -22,6 +22,8 @@ exception type the accuracy judge and the layer tests raise). Rendered as Markdo
 """
 from __future__ import annotations
 
+import unittest
+
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -83,6 +85,18 @@ def not_run(text: str) -> SkipReason:
 def skip_kind(reason) -> str:
     """A skip's kind: the one its :class:`SkipReason` carries; plain text is ``NOT RUN``."""
     return getattr(reason, "kind", NOT_RUN)
+
+
+class LayerWrongOnItsOwn(unittest.SkipTest):
+    """A layer case (a serving stream, a weight swap, poisoned rows) whose failing call a fresh
+    layer, built from the same weights and given only the clean rows, fails alike: no earlier
+    call, change or poisoned row is to blame, so the case's own clause has nothing to judge.
+    The clauses that judge a fresh layer report it (checkpoint, routing, accuracy). A
+    ``unittest.SkipTest``, so pytest and Hypothesis end the case as a skip (NOT RUN) wherever it
+    is raised, without shrinking; the audit makes it a NOT RUN row (:meth:`reason`)."""
+
+    def reason(self) -> SkipReason:
+        return not_run(str(self))
 
 
 # Root causes a failure can carry besides its clause's own (Outcome.cause).

@@ -151,9 +151,12 @@ def test_an_inaccurate_kernel_is_counted_under_accuracy_not_isolation():
     accuracy; an isolation bug stays an isolation finding."""
     from magi_moe.audit.judge import Inaccurate
     from magi_moe.tests.outside_team_kernel import BUGGY, GOOD
+    from magi_moe.verdict import LayerWrongOnItsOwn
 
     with pytest.raises(Inaccurate, match="as wrong on their own"):
         kernel_failures(BUGGY, "cpu", "mixed")
+    with pytest.raises(LayerWrongOnItsOwn, match="no poisoned row is to blame"):
+        layer_failure(BUGGY, "cpu", "nan")  # a NOT RUN skip: the fresh-layer clauses say it
     assert kernel_failures(GOOD, "cpu", "mixed") == []
     problem = random_problem(preset("tiny"), TOKENS, seed=40)
     result = check_row_isolation(broken.per_tensor_scale, problem, _rows(40), "mixed", "unrouted", seed=41)

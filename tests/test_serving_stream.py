@@ -16,7 +16,6 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
-from magi_moe.audit.judge import Inaccurate
 from magi_moe.config import preset
 from magi_moe.fuzz import serving_replay
 from magi_moe.fuzz.serving import (REPLAY_COMMAND, drive, growing_steps, record_for,
@@ -59,7 +58,6 @@ def test_a_workspace_sized_by_the_first_call_is_caught_on_the_kernel_entry(no_ca
     machine = serving_kernel_machine(broken.stale_plan_torch, config=CONFIG)
     with pytest.raises(AssertionError, match=KEPT) as caught:
         drive(machine, 0, growing_steps(machine))
-    assert not isinstance(caught.value, Inaccurate), "right alone: a history finding, not accuracy"
     line = replay_line(caught.value)
     broken.forget_plans()
     assert replay_in_process(line) == 1  # the printed line fails again
@@ -75,20 +73,6 @@ def test_a_workspace_sized_by_the_first_call_is_caught_in_a_random_layer_stream(
     assert STALE in chain_text(caught.value), chain_text(caught.value)[:2000]
     broken.forget_plans()
     assert replay_in_process(replay_line(caught.value)) == 1  # the shrunk stream fails again
-
-
-@pytest.mark.parametrize("make", [serving_kernel_machine, serving_layer_machine])
-def test_a_kernel_wrong_on_its_own_is_counted_under_accuracy_not_history(make):
-    """One root cause, one verdict row: a kernel 1% off on busy experts is as wrong on a fresh
-    call (fresh copies of every tensor, a fresh layer), so the stream raises the judge's own
-    failure, which the verdict counts under accuracy; the correct kernel passes the stream."""
-    from magi_moe.tests.outside_team_kernel import BUGGY, GOOD
-
-    with pytest.raises(Inaccurate, match="no earlier call to blame"):
-        machine = make(BUGGY, config=CONFIG)
-        drive(machine, 0, growing_steps(machine))
-    machine = make(GOOD, config=CONFIG)
-    drive(machine, 0, growing_steps(machine))
 
 
 def run_replay(record: dict) -> subprocess.CompletedProcess:

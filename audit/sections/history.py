@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from magi_moe.verdict import cause_of
-
 from ..rows import FAIL, PASS, SKIP, Row
 from .layer_shapes import layer_config
 
@@ -30,11 +28,9 @@ def _stream_row(impl, what: str, machine) -> Row:
     except Exception as exc:  # noqa: BLE001 -- the finding, reported as a row
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         notes = [n.strip() for n in getattr(exc, "__notes__", ()) if "reproduce:" in n]
-        # wrong on a fresh call too: one root cause, counted under accuracy
-        clause = "accuracy" if cause_of(exc) is not None else None
         return Row(SECTION, subject, FAIL, f"{type(exc).__name__}: {first}",
                    {"record": record_for(machine, 0, steps), "reproduce": notes[-1] if notes else ""},
-                   impl=impl.name, clause=clause)
+                   impl=impl.name)
     return Row(SECTION, subject, PASS, f"{len(steps)} steps on one object, token counts {counts}",
                {"record": record_for(machine, 0, steps)}, impl=impl.name)
 

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from magi_moe.problems import random_problem
+from magi_moe.verdict import LayerWrongOnItsOwn
 
 from ..cache import draw_state
 from ..isolation import ROUTE_MODES, check_layer_row_isolation, check_row_isolation, poisoned_rows
-from ..rows import FAIL, PASS, SKIP, Row
+from ..rows import FAIL, INFO, PASS, SKIP, Row
 from .layer_shapes import layer_config
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ def run(audit: Audit) -> Iterator[Row]:
 def _row(impl: str, subject: str, check) -> Row:
     try:
         result = check()
+    except LayerWrongOnItsOwn as exc:  # reported by the clauses that judge a fresh layer
+        return Row(SECTION, subject, INFO, str(exc), impl=impl, skip=exc.reason())
     except Exception as exc:  # noqa: BLE001 -- reported, the audit goes on
         return Row(SECTION, subject, FAIL, f"raised {type(exc).__name__}: {exc}", impl=impl)
     # wrong without the poison too: one root cause, counted under accuracy
