@@ -14,7 +14,3 @@
 
 The submodules are imported on demand: ``tests/conftest.py`` imports :mod:`fuzz.profiles` alone.
 """
-if __name__ in ("audit", "fuzz", "tests"):  # the checkout's top-level name: an alias
-    from magi_moe.suite_names import alias_top_level
-
-    alias_top_level(__name__)

@@ -9,7 +9,7 @@ import torch
 
 from magi_moe.backends import BACKENDS
 
-from magi_moe.audit.__main__ import main
+from magi_moe.audit.cli import main
 from magi_moe import registry
 from magi_moe.implementation import Implementation
 

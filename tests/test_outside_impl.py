@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from magi_moe import plugins, registry
-from magi_moe.audit.judge import judge
+from magi_moe.judge import judge
 from magi_moe.config import preset
 from magi_moe.problems import random_problem, run_poisoned
 from magi_moe.registry import get_implementation, implementations, load_implementation

@@ -205,7 +205,7 @@ def test_a_layer_wrong_from_the_start_is_one_accuracy_row_even_where_accuracy_pa
 
 
 def test_causes_are_read_from_the_exception_or_what_it_was_raised_from():
-    from magi_moe.audit.judge import Inaccurate
+    from magi_moe.judge.accuracy import Inaccurate
 
     assert V.cause_of(Inaccurate("any words at all", "baseline")) == V.INACCURATE
     assert V.cause_of(V.LayerWrongFromTheStart("x")) == V.WRONG_FROM_THE_START
@@ -353,7 +353,7 @@ def test_reworded_audit_subjects_and_results_change_no_row():
 def test_the_judge_types_an_inaccuracy_and_the_fuzz_properties_keep_the_type():
     """Planted: an output off by a constant is Inaccurate (counted under accuracy wherever it is
     met); one with unwritten elements is the case's own failure; a right one passes."""
-    from magi_moe.audit.judge import Inaccurate, judge
+    from magi_moe.judge.accuracy import Inaccurate, judge
     from magi_moe.config import preset
     from magi_moe.fuzz.properties import _differential, make_target
     from magi_moe.fuzz.record import PropertyViolation
@@ -386,7 +386,7 @@ PLANTED = '''
 import pytest
 
 from magi_moe import verdict as V
-from magi_moe.audit.judge import Inaccurate
+from magi_moe.judge.accuracy import Inaccurate
 
 
 @pytest.mark.clause("accuracy")
