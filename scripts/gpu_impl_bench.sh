@@ -22,6 +22,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
+"$PY" scripts/wheel_view.py  # the suite as magi_moe.audit/.fuzz/.tests: nothing is installed here
 ITERS=${ITERS:-30}
 
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
