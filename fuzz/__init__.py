@@ -1,4 +1,4 @@
-"""Property-based fuzzers for magi-moe's MoE implementations (run from the checkout, not installed).
+"""Property-based fuzzers for magi-moe's MoE implementations (installed as ``magi_moe.fuzz``).
 
 * :mod:`fuzz.strategies` -- Hypothesis strategies for shapes, routing ties, skew and empty
   experts, values near the SwiGLU7 clamp, huge token counts; each takes strategies for its parts.

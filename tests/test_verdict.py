@@ -251,7 +251,7 @@ def test_a_correct_trusting_narrow_implementation_gets_no_failure(tmp_path):
     """tests/outside_narrow_example.py raises on anything outside its rule and never validates
     its inputs: a check that calls it outside the rule, or holds it to input checks it never
     declared, fails here. Every conformance test must also name its clause."""
-    rc, data, log = _conformance("tests.outside_narrow_example:IMPL", tmp_path, "-m", "not slow")
+    rc, data, log = _conformance("magi_moe.tests.outside_narrow_example:IMPL", tmp_path, "-m", "not slow")
     assert rc == 0, log
     rows = _rows(data)
     assert not [c for c, r in rows.items() if r["status"] == V.FAIL], log
@@ -264,7 +264,7 @@ def test_a_correct_trusting_narrow_implementation_gets_no_failure(tmp_path):
 
 @pytest.mark.slow
 def test_a_stale_cache_fails_its_route_row_and_the_rerun_fails_again(tmp_path):
-    rc, data, log = _conformance("tests.outside_broken:VERSION_KEYED_LAYER", tmp_path,
+    rc, data, log = _conformance("magi_moe.tests.outside_broken:VERSION_KEYED_LAYER", tmp_path,
                                  "-k", "test_layer_follows_the_weight_change")
     assert rc == 1, log
     rows = _rows(data)
