@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .developer_scripts import ROOT, in_checkout
+from magi_moe.tests.developer_scripts import ROOT, in_checkout
 
 CHILD = """
 import sys
