@@ -46,7 +46,7 @@ from magi_moe.implementation import Implementation
 from magi_moe.routing import build_route_table, route
 from magi_moe.weights import ExpertWeights
 
-from .bounds import compute_error_bounds, evaluate_bounds
+from magi_moe.judge.bounds import compute_error_bounds, evaluate_bounds
 
 EXPERT_PARAMS = ("W_gate", "W_up", "W_down")
 ROUTER_BIASES = ("router.expert_bias", "router.expert_bias_ema")

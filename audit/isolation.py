@@ -27,8 +27,8 @@ from magi_moe.problems import Problem, run_poisoned
 from magi_moe.routing import Routes, build_route_table
 from magi_moe.verdict import LayerWrongOnItsOwn
 
-from .bounds import DEFAULT_FAILURE_PROBABILITY
-from .judge import Inaccurate, judge
+from magi_moe.judge import Inaccurate, judge
+from magi_moe.judge.bounds import DEFAULT_FAILURE_PROBABILITY
 
 __all__ = ["POISONS", "ROUTE_MODES", "IsolationResult", "check_layer_row_isolation",
            "check_row_isolation", "isolation_problems", "poison_rows", "poisoned_rows"]
@@ -160,7 +160,7 @@ def check_row_isolation(impl: Implementation, problem: Problem, rows: torch.Tens
                         mode: str, *, seed: int = 0,
                         failure_probability: float = DEFAULT_FAILURE_PROBABILITY) -> IsolationResult:
     """Run ``impl`` on ``problem`` with ``rows`` poisoned (:func:`isolation_problems`) and judge
-    the clean rows. Raises :class:`~magi_moe.audit.judge.InvalidProblem` when the clean problem's
+    the clean rows. Raises :class:`~magi_moe.judge.accuracy.InvalidProblem` when the clean problem's
     reference is not finite (no output can be judged)."""
     poisoned, clean, kept = isolation_problems(problem, rows, poison, mode, seed=seed)
     out = run_poisoned(impl, poisoned)

@@ -1,4 +1,4 @@
-"""The bounds of :mod:`audit.bounds` checked with mpmath (arbitrary precision), on tiny shapes.
+"""The bounds of :mod:`magi_moe.judge.bounds` checked with mpmath (arbitrary precision), on tiny shapes.
 
 Three kinds of check, each returning :class:`Check` rows for the report:
 
@@ -27,9 +27,9 @@ from magi_moe.config import MoEConfig
 from magi_moe.problems import Problem
 from magi_moe.reference import SWIGLU_ALPHA, SWIGLU_LIMIT
 
-from .bounds import (EVAL_ARG, EVAL_OPS, EVAL_UNDERFLOW, F1_MAX, F2_MAX, MODEL_FLOAT64,
+from magi_moe.judge.bounds import (EVAL_ARG, EVAL_OPS, EVAL_UNDERFLOW, F1_MAX, F2_MAX, MODEL_FLOAT64,
                      compute_error_bounds)
-from .precision import (FP32, FloatFormat, PrecisionModel, gamma, gamma_probabilistic,
+from magi_moe.judge.precision import (FP32, FloatFormat, PrecisionModel, gamma, gamma_probabilistic,
                         precision_model, with_truncating_downcasts)
 from .probes import probe_problem
 
@@ -326,7 +326,7 @@ def check_reference(problem: Problem, label: str = "") -> Check:
 
 
 def mp_worst_bound(problem: Problem, model: PrecisionModel) -> list[list]:
-    """The worst-case bound of :mod:`audit.bounds` (without the reference term) evaluated
+    """The worst-case bound of :mod:`magi_moe.judge.bounds` (without the reference term) evaluated
     element by element in mpmath from the route list."""
     cfg = problem.config
     Dh, I, K = cfg.head_dim, cfg.intermediate_size, cfg.top_k

@@ -2,7 +2,7 @@
 
 :class:`Audit` runs the sections of :data:`audit.sections.SECTIONS` in order: backend
 self-check; the bounds' own mpmath validation; each implementation on each probe judged by
-:func:`audit.judge.judge` (error bounds first, then the FlashAttention-style baseline ratio and
+:func:`magi_moe.judge.judge` (error bounds first, then the FlashAttention-style baseline ratio and
 faithfulness to its precision model's emulation); each implementation's router judged by
 :func:`audit.router_judge.judge_router_call`; negative controls (broken emulations the bounds
 must flag); determinism; weight cache; discipline and ``torch.compile`` (CUDA); CUDA-graph
@@ -30,10 +30,10 @@ from magi_moe.text_tables import format_table
 from magi_moe.verdict import as_json as verdict_json, markdown as verdict_markdown, \
     text_lines as verdict_text, verdict_rows
 
-from .bounds import DEFAULT_FAILURE_PROBABILITY, BoundReport
+from magi_moe.judge.bounds import DEFAULT_FAILURE_PROBABILITY, BoundReport
 from .clauses import audit_outcomes
 from .plots import write_plots
-from .precision import precision_model
+from magi_moe.judge.precision import precision_model
 from .probes import PROBE_DESCRIPTIONS, PROBES, probe_problem
 from .rows import FAIL, INFO, PASS, SKIP, SUITE, Row  # noqa: F401 -- also imported from here
 from .sections import SECTIONS, Section, section_named
@@ -122,7 +122,7 @@ class Audit:
     def model_for(self, impl: Implementation, config):
         """The declared model. Kernels are held to round-to-nearest even under the interpreter,
         whose own fp32 -> bf16 conversion truncates (the self-check reports it): they must round
-        by bit arithmetic there (``magi_moe.kernels.rounding``). ``audit.precision.
+        by bit arithmetic there (``magi_moe.kernels.rounding``). ``magi_moe.judge.precision.
         with_truncating_downcasts`` gives the model a truncating kernel would need."""
         return precision_model(impl.precision_for(config), config.dtype)
 
@@ -270,7 +270,7 @@ def markdown(rows: list[Row], meta: dict, plots: list[str], ok: bool) -> str:
            "bound (must never be exceeded) and a probabilistic one (Higham & Mary 2019; exceeded "
            f"with probability < {meta['failure_probability']:g} by an implementation that follows "
            "its precision model). Each bounds row is the accuracy judge's verdict "
-           "(`audit.judge`): the bounds first, then at most twice the plain PyTorch baseline's "
+           "(`magi_moe.judge`): the bounds first, then at most twice the plain PyTorch baseline's "
            "error plus one rounding (FlashAttention-style), then faithfulness to the precision "
            "model's emulation where it promises that. Probes:", ""]
     out += [f"- `{k}`: {v}" for k, v in PROBE_DESCRIPTIONS.items()]

@@ -12,10 +12,10 @@ float64 PyTorch:
 * fp32 -> bf16 conversion: to nearest even on a GPU (bitwise equal to ``Tensor.to``). Triton
   3.9's interpreter truncates instead (its ``_convert_float`` drops the low bits): reported as
   info; the kernels round by bit arithmetic when interpreted (``magi_moe.kernels.rounding``)
-  and the bounds still hold them to round-to-nearest (``audit.precision.
+  and the bounds still hold them to round-to-nearest (``magi_moe.judge.precision.
   with_truncating_downcasts`` is the model a truncating kernel would need);
 * fp32 ``tl.atomic_add`` with colliding slots (integers: exact in any order);
-* the kernels' fp32 SwiGLU7 within the evaluation allowance that :mod:`audit.bounds` assumes.
+* the kernels' fp32 SwiGLU7 within the evaluation allowance that :mod:`magi_moe.judge.bounds` assumes.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ import torch
 from magi_moe.backends import Backend, get_backend, interpreter_enabled
 from magi_moe.reference import swiglu7
 
-from .bounds import EVAL_ARG, EVAL_OPS, EVAL_UNDERFLOW
-from .precision import FP32, FP32_ACCUMULATOR_UNIT, gamma
+from magi_moe.judge.bounds import EVAL_ARG, EVAL_OPS, EVAL_UNDERFLOW
+from magi_moe.judge.precision import FP32, FP32_ACCUMULATOR_UNIT, gamma
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Property-based fuzzers for magi-moe's MoE implementations (run from the checkout, not installed).
+"""Property-based fuzzers for magi-moe's MoE implementations (installed as ``magi_moe.fuzz``).
 
 * :mod:`fuzz.strategies` -- Hypothesis strategies for shapes, routing ties, skew and empty
   experts, values near the SwiGLU7 clamp, huge token counts; each takes strategies for its parts.
@@ -14,7 +14,3 @@
 
 The submodules are imported on demand: ``tests/conftest.py`` imports :mod:`fuzz.profiles` alone.
 """
-if __name__ in ("audit", "fuzz", "tests"):  # the checkout's top-level name: an alias
-    from magi_moe.suite_names import alias_top_level
-
-    alias_top_level(__name__)

@@ -58,7 +58,7 @@ from magi_moe.arguments import OneLineParser, finite_non_negative, finite_positi
 from magi_moe.cli import refuse_bad_impl
 
 from . import database as fuzz_db
-from .__main__ import program_name
+from .cli import program_name
 from .fuzzers import PROPERTIES
 from .huge import REPO_ROOT, child_env
 from .record import REPLAY_UNAVAILABLE

@@ -101,7 +101,7 @@ def run_huge_case(case: HugeCase, *, impl: str, device: str = "cpu", mode: str =
     ``impl``: how to load the implementation (a registered name or ``package.module:attr``).
     ``mode="launcher"``: through its declared :class:`~magi_moe.implementation.RowLauncher`
     (a caller-owned accumulator); ``mode="forward"``: its ordinary ``forward`` (real output)."""
-    from magi_moe.audit.judge import judge
+    from magi_moe.judge import judge
     from magi_moe.registry import get_implementation
 
     from .tolerance import CAMPAIGN_FAILURE_PROBABILITY

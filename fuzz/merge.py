@@ -88,7 +88,7 @@ def merge_summaries(summaries: list[dict]) -> dict:
 
 
 def merge_main(argv: list[str]) -> int:
-    from .__main__ import program_name
+    from .cli import program_name
 
     p = OneLineParser(prog=f"{program_name()} merge", description=__doc__.split("\n\n")[0])
     p.add_argument("outs", nargs="+", metavar="OUT", help="a campaign's --out directory (or its summary.json)")

@@ -21,8 +21,8 @@ import torch
 from hypothesis import currently_in_test_context, event, note, reject, target as hyp_target
 
 from magi_moe.audit import isolation
-from magi_moe.audit.bounds import problem_bounds
-from magi_moe.audit.judge import InvalidProblem, judge
+from magi_moe.judge.bounds import problem_bounds
+from magi_moe.judge.accuracy import InvalidProblem, judge
 from magi_moe.audit.router_judge import RouterVerdict, judge_router, judge_router_call
 from magi_moe.backends import Backend, get_backend
 from magi_moe.problems import Problem, run_poisoned

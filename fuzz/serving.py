@@ -337,7 +337,7 @@ class ServingKernelMachine(_Logged, RuleBasedStateMachine):
         kept = Routes(routes.expert_ids[real], routes.probs[real])
         problem = Problem(cfg, x[real], self.gate, self.bias, self.weights, kept,
                           build_route_table(kept, cfg))
-        from magi_moe.audit.judge import judge
+        from magi_moe.judge import judge
 
         verdict = judge(out[real], problem, self.impl, failure_probability=CAMPAIGN_FAILURE_PROBABILITY)
         self.calls += 1

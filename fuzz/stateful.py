@@ -5,7 +5,7 @@ The layer is ``impl.layer(config, state_dict, device)`` (or a factory with that 
 built from a released-layout state dict the machine draws; it is driven through its own
 parameters and its own cache, and its *current* weights are read back through
 ``layer.state_dict()`` (released names). Each forward is checked against the float64 reference
-on those weights by the one accuracy judge (:mod:`audit.judge`, same routes, the layer's
+on those weights by the one accuracy judge (:mod:`magi_moe.judge`, same routes, the layer's
 declared precision model), so a cache that serves old weights fails at once. Drawn states and changes keep the two router bias tensors
 equal, so whichever one the layer selects with, the reference selects with the same values.
 
@@ -48,9 +48,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from torch import nn
 
 from magi_moe.audit.cache import reach_tensor
-from magi_moe.audit.judge import judge
-from magi_moe.audit.precision import precision_model
 from magi_moe.audit.router_judge import ambiguous_heads, float64_routes
+from magi_moe.judge import judge
+from magi_moe.judge.precision import precision_model
 from magi_moe.config import MoEConfig
 from magi_moe.dirty_memory import handed_memory, reserve_for
 from magi_moe.implementation import Implementation

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from magi_moe.audit.precision import unit_roundoff
+from magi_moe.judge.precision import unit_roundoff
 
 __all__ = ["CAMPAIGN_FAILURE_PROBABILITY", "order_mismatch", "rounding_mismatch"]
 
@@ -38,7 +38,7 @@ def rounding_mismatch(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtyp
 def order_mismatch(a: torch.Tensor, b: torch.Tensor, slack, *, out_dtype: torch.dtype,
                    accumulate_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """:func:`rounding_mismatch`, except where ``|a - b|`` is within ``slack``: the sum of the
-    two results' worst-case error bounds (``audit.bounds``), which any summation order keeps
+    two results' worst-case error bounds (``magi_moe.judge.bounds``), which any summation order keeps
     each result inside. ``slack``: a tensor, or a function returning it (called only when some
     element is beyond rounding: the bounds cost more than the comparison). NaN still mismatches."""
     bad = rounding_mismatch(a, b, out_dtype=out_dtype, accumulate_dtype=accumulate_dtype)

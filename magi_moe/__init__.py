@@ -1,18 +1,12 @@
-"""magi-moe: the MAGI-2 head-routed MoE, its float64 oracle and Triton kernels, under audit.
+"""magi-moe: the MAGI-2 head-routed MoE, its float64 oracle, its Triton kernels, and the one
+accuracy judge (:mod:`magi_moe.judge`) they are held to.
 
-The suite's own packages import as ``magi_moe.audit``, ``magi_moe.fuzz`` and ``magi_moe.tests``:
-an installed wheel carries them inside this package (the names ``audit`` and ``fuzz`` belong to
-other projects on the package index), and a source checkout keeps them at its top level
-(``audit/``, ``fuzz/``, ``tests/``), which the lines below add to this package's search path.
+The suite that audits them (``audit/``, ``fuzz/``, ``tests/`` in a checkout) installs inside this
+package as ``magi_moe.audit``, ``magi_moe.fuzz`` and ``magi_moe.tests`` (pyproject.toml's
+package-dir: the names ``audit`` and ``fuzz`` belong to other projects on the package index).
+The product never imports the suite: the suite's ``magi-moe`` commands reach :mod:`magi_moe.cli`
+through the entry-point group ``magi_moe.commands``.
 """
-from pathlib import Path as _Path
-
-_checkout = _Path(__file__).resolve().parent.parent
-if (_checkout / "audit" / "__init__.py").is_file() and not (_Path(__file__).parent / "audit").exists():
-    __path__.append(str(_checkout))  # noqa: F821 -- a package's __path__
-    from . import suite_names as _suite_names
-
-    _suite_names.install()  # the top-level names audit, fuzz, tests: aliases, one module each
 from .config import PRESETS, MoEConfig, preset
 from .layer import MagiMoE
 from .reference import expert_reference, layer_reference, swiglu7

@@ -5,15 +5,12 @@
     magi-moe check IMPL [--backend NAME ...] [-- PYTEST ARGS]              # conformance tests
     magi-moe example [NAME [--out FILE]]                                   # worked examples
 
-``check`` runs the conformance suite (every test parametrized by the implementation under test,
-from the installed ``magi_moe.tests``) against ``IMPL``: a registered name,
-``package.module:attr`` importable from the current directory, or an installed entry point.
-On the ``interpret`` backend it sets ``TRITON_INTERPRET=1`` for the pytest process. It ends
-with the verdict, one row per contract clause, also written to ``--verdict-dir`` (Markdown and
-JSON). Exit statuses are pytest's; 5 means nothing was tested (magi-moe's pytest plugin says why).
-
-``example`` lists the worked examples shipped inside the package; ``example NAME`` prints one
-(``--out FILE`` writes it, refusing to overwrite a file), ready for ``magi-moe check FILE:IMPL``.
+``example`` is the product's own: it lists the worked examples shipped inside the package;
+``example NAME`` prints one (``--out FILE`` writes it, refusing to overwrite a file), ready for
+``magi-moe check FILE:IMPL``. The other commands are the suite's (``audit``, ``fuzz``, ``check``:
+:mod:`magi_moe.tests.check` runs the conformance tests against ``IMPL``): each is an entry point
+of the group ``magi_moe.commands`` (pyproject.toml), a function of the arguments returning the
+exit status, found here by name, so the product never imports the suite.
 
 Every command imports ``package.module:attr`` from the current directory first, as ``python -m``
 does. A bad command or ``--impl`` is one line on stderr and exit 2, before any work starts.
@@ -21,12 +18,13 @@ does. A bad command or ``--impl`` is one line on stderr and exit 2, before any w
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from importlib.metadata import EntryPoint, entry_points
 
 from .arguments import OneLineParser
 
-COMMANDS = ("audit", "fuzz", "check", "example")
+# The suite's commands: entry points of this group, each ``main(argv) -> exit status``.
+COMMAND_GROUP = "magi_moe.commands"
 
 
 def use_current_directory() -> None:
@@ -48,42 +46,6 @@ def refuse_bad_impl(name: str) -> str | None:
     except (ValueError, TypeError) as exc:
         return f"--impl: {exc}".splitlines()[0]
     return None
-
-
-def check(argv: list[str]) -> int:
-    parser = OneLineParser(prog="magi-moe check", description=__doc__.split("\n")[0])
-    parser.add_argument("impl", help="implementation: a registered name, package.module:attr or "
-                                     "an installed entry point of group magi_moe.implementations")
-    parser.add_argument("--backend", action="append", default=[],
-                        help="cpu, interpret or cuda (repeatable; default: every backend the "
-                             "implementation declares that is usable here)")
-    parser.add_argument("--profile", default="ci", help="Hypothesis profile (default: ci)")
-    parser.add_argument("--verdict-dir", default="magi-moe-verdict", metavar="DIR",
-                        help="where the per-clause verdict is written as verdict.md and "
-                             "verdict.json (default: ./magi-moe-verdict)")
-    parser.epilog = "arguments after -- are passed to pytest (e.g. -- -k tie -x)"
-    # split at "--" first: argparse's REMAINDER would also swallow a --backend after IMPL
-    cut = argv.index("--") if "--" in argv else len(argv)
-    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1:]
-    from .backends import BACKENDS
-
-    unknown = [b for b in args.backend if b not in BACKENDS]
-    if unknown:
-        parser.error(f"--backend must be one of {sorted(BACKENDS)}, got {unknown[0]!r}")
-    env = dict(os.environ)
-    if "interpret" in args.backend:
-        env["TRITON_INTERPRET"] = "1"
-        os.environ["TRITON_INTERPRET"] = "1"  # before the check below imports any kernel
-    why = refuse_bad_impl(args.impl)
-    if why:
-        print(f"magi-moe check: {why}", file=sys.stderr)
-        return 2
-    cmd = [sys.executable, "-m", "pytest", "--pyargs", "magi_moe.tests", "--conformance",
-           "--impl", args.impl, "-p", "no:cacheprovider", "--hypothesis-profile", args.profile,
-           "-m", "not slow and not benchmark", "--verdict-dir", args.verdict_dir]
-    cmd += [a for b in args.backend for a in ("--backend", b)] + extra
-    print("+ " + " ".join(cmd), flush=True)
-    return subprocess.call(cmd, env=env)
 
 
 def example(argv: list[str]) -> int:
@@ -117,26 +79,27 @@ def example(argv: list[str]) -> int:
     return 0
 
 
+def installed_commands() -> dict[str, EntryPoint]:
+    """The suite's commands that the installed distribution declares, by name (none where
+    magi_moe is not installed: a bare checkout on ``PYTHONPATH``, see scripts/wheel_view.sh)."""
+    return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    if argv[0] not in COMMANDS:
-        print(f"magi-moe: unknown command {argv[0]!r}; expected one of {', '.join(COMMANDS)} "
-              f"(magi-moe --help)", file=sys.stderr)
-        return 2
+    suite = installed_commands()
     command, rest = argv[0], argv[1:]
+    if command != "example" and command not in suite:
+        print(f"magi-moe: unknown command {command!r}; expected one of "
+              f"{', '.join([*suite, 'example'])} (magi-moe --help)", file=sys.stderr)
+        return 2
     use_current_directory()
-    if command == "audit":
-        from .audit.__main__ import cli
-        return cli(rest)
-    if command == "fuzz":
-        from .fuzz.__main__ import main as fuzz_main
-        return fuzz_main(rest)
     if command == "example":
         return example(rest)
-    return check(rest)
+    return suite[command].load()(rest)
 
 
 if __name__ == "__main__":

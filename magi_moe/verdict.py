@@ -107,7 +107,7 @@ CAUSES = (INACCURATE, WRONG_FROM_THE_START)
 
 class CountedUnderAccuracy(AssertionError):
     """A failure whose root cause is accuracy, with ``cause`` (one of :data:`CAUSES`) as data:
-    the accuracy judge's failure (``audit.judge.Inaccurate``) and a layer wrong before any weight
+    the accuracy judge's failure (``magi_moe.judge.Inaccurate``) and a layer wrong before any weight
     change (``LayerWrongFromTheStart``). magi-moe's pytest plugin reads the cause from the
     exception (or one it was raised from), never from its message."""
 

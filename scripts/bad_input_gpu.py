@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from magi_moe.audit.judge import judge  # noqa: E402
+from magi_moe.judge import judge  # noqa: E402
 from magi_moe.config import preset  # noqa: E402
 from magi_moe.layer import MagiMoE  # noqa: E402
 from magi_moe.problems import random_problem  # noqa: E402

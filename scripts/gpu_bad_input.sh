@@ -19,6 +19,7 @@ cd "$(dirname "$0")/.."
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests sanitize cost)
 OUT=${OUT:-gpu-bad-input}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python3 scripts/wheel_view.py  # the suite as magi_moe.audit/.fuzz/.tests: nothing is installed here
 unset TRITON_INTERPRET
 limit() { local v="STEP_TIMEOUT_$1"; echo "${!v:-$2}"; }
 status=0

@@ -20,6 +20,7 @@ cd "$(dirname "$0")/.."
 steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(tests audit)
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 scripts/wheel_view.py  # the suite as magi_moe.audit/.fuzz/.tests: nothing is installed here
 unset TRITON_INTERPRET
 limit() { local v="STEP_TIMEOUT_$1"; echo "${!v:-$2}"; }
 status=0

@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset TRITON_INTERPRET  # compiled kernels, not the interpreter
 PYTHON=${PYTHON:-python3}
+"$PYTHON" scripts/wheel_view.py  # the suite as magi_moe.audit/.fuzz/.tests: nothing is installed here
 
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')
 if [ "$gpus" -lt 2 ]; then

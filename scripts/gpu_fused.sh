@@ -22,6 +22,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
+"$PY" scripts/wheel_view.py  # the suite as magi_moe.audit/.fuzz/.tests: nothing is installed here
 PATHS=${BENCH_PATHS:-native,native-det,fused,fused-layer,native-layer,routing,fused-routing}
 
 {

@@ -20,6 +20,7 @@ BUDGET=${FUZZ_BUDGET:-90}
 ARGS=${FUZZ_ARGS:---impl fused --impl native-det}
 BACKEND=${FUZZ_BACKEND:-cuda}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}:$PWD/.gpu-deps/python PYTHONUNBUFFERED=1
+python3 scripts/wheel_view.py  # the suite as magi_moe.audit/.fuzz/.tests: nothing is installed here
 unset TRITON_INTERPRET
 
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader 2>&1 | tee "$OUT/machine.txt"

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_impl_bench.sh [SPEC] [STEP...]
 #
-# SPEC: the implementation (default tests.outside_grouped_example:IMPL). Steps (default all):
+# SPEC: the implementation (default magi_moe.tests.outside_grouped_example:IMPL). Steps (default all):
 #   bench    python -m magi_moe.bench --anchors --impl SPEC: it beside fused, fused-layer and the
 #            plain PyTorch baseline, kernel and layer level, errors checked before timing
 #   history  pytest-benchmark on the same cases: one run saved, a second compared with it
@@ -14,12 +14,13 @@
 # HISTORY_K: which benchmark tests (-k, default impl_anchor); COMPARE_FAIL: e.g. median:10%,
 # pytest-benchmark's fail threshold for the second run (default none: the comparison is shown).
 set -uo pipefail
-SPEC=${1:-tests.outside_grouped_example:IMPL}
+SPEC=${1:-magi_moe.tests.outside_grouped_example:IMPL}
 shift || true
 STEPS=${*:-bench history layer}
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+"${PYTHON:-python3}" scripts/wheel_view.py  # the suite as magi_moe.audit/.fuzz/.tests: nothing is installed here
 unset TRITON_INTERPRET
 PY=${PYTHON:-python3}
 ITERS=${ITERS:-30}

@@ -1,6 +1,6 @@
 """Deliberately broken variants the auditors must catch, and the correct toys they must pass.
 
-Precision (``audit.bounds``): PyTorch emulations that *declare* ``bf16-fp32acc`` but break it.
+Precision (``magi_moe.judge.bounds``): PyTorch emulations that *declare* ``bf16-fp32acc`` but break it.
 Determinism (``audit.determinism``): a CPU variant whose output changes in the last bit from run
 to run, and the native atomic kernel declaring ``deterministic`` (only a GPU shows it).
 Weight cache (``audit.cache``): a layer whose cache is keyed on ``(id, data_ptr, _version)``
@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from magi_moe.audit.emulation import FP32ACC_EMULATION, emulated_forward, emulated_implementation
+from magi_moe.judge.emulation import FP32ACC_EMULATION, emulated_forward, emulated_implementation
 from magi_moe.config import MoEConfig
 from magi_moe.layer import MagiMoE
 from magi_moe.registry import Implementation

@@ -6,7 +6,7 @@
   64 MiB arena is freshly mapped, zeroed pages on the CPU), garbage from the second step of a
   real run on. Right on every fresh-memory test; the harness's used memory catches it.
 
-Not registered; tests name it ``tests.dirty_memory_broken:UNZEROED_EMPTY_EXPERT``.
+Not registered; tests name it ``magi_moe.tests.dirty_memory_broken:UNZEROED_EMPTY_EXPERT``.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ bug it is shown to catch (tests/test_fuzz_broken.py):
 campaign records such a case and goes on.
 
 These are *not* registered: tests import them directly (registering would put them in every
-test's implementation matrix); campaigns name them as ``tests.fuzz_broken:<attr>``.
+test's implementation matrix); campaigns name them as ``magi_moe.tests.fuzz_broken:<attr>``.
 """
 from __future__ import annotations
 

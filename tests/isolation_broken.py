@@ -14,7 +14,7 @@ clean inputs (they pass the accuracy judge), so only the row-isolation checks ca
   0, trusting its weight to mask it: the weight is NaN, and token 0's output turns NaN. Its
   expert forward is right: only the layer form sees it.
 
-Not registered: tests import them; campaigns name them ``tests.isolation_broken:<attr>``.
+Not registered: tests import them; campaigns name them ``magi_moe.tests.isolation_broken:<attr>``.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ bug of a class magi-moe must catch through its own strategies (tests/test_outsid
   order that changes from call to call (a work queue, a split-K that depends on timing); fp32
   reassociation then changes a few bf16 outputs between runs.
 
-Neither is registered; tests name them ``tests.outside_broken_kernels:ATTR``.
+Neither is registered; tests name them ``magi_moe.tests.outside_broken_kernels:ATTR``.
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ one walks the route table's CSR offsets on the host (one device-to-host copy per
 three fp32 GEMMs per routed bank on that bank's rows. The top-k sum adds the ``K`` routes of each
 (token, head) in the order of ``k``, without atomics.
 
-    pytest --impl tests.outside_grouped_example:IMPL
-    python -m magi_moe.bench --anchors --impl tests.outside_grouped_example:IMPL
+    pytest --impl magi_moe.tests.outside_grouped_example:IMPL
+    python -m magi_moe.bench --anchors --impl magi_moe.tests.outside_grouped_example:IMPL
 """
 import torch
 

@@ -5,7 +5,7 @@ its own token row and its expert's weights, and batched einsums compute all rout
 The top-k sum adds the routes of each (token, head) in the order of ``k``, so the output is
 bitwise reproducible without atomics.
 
-Run the suite against it:  ``pytest --impl tests.outside_impl_example:IMPL``
+Run the suite against it:  ``pytest --impl magi_moe.tests.outside_impl_example:IMPL``
 """
 import torch
 

@@ -7,7 +7,7 @@ The conformance suite must give it no failure (``tests/test_declarations_honoure
 check that calls it outside its rule, or holds it to input checks it never promised, shows as
 a failure there.
 
-    pytest --conformance --impl tests.outside_narrow_example:IMPL --backend cpu
+    pytest --conformance --impl magi_moe.tests.outside_narrow_example:IMPL --backend cpu
 """
 import torch
 

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from magi_moe.audit.bounds import (BoundReport, check_error_bounds, compute_error_bounds,
+from magi_moe.judge.bounds import (BoundReport, check_error_bounds, compute_error_bounds,
                                    evaluate_bounds, problem_bounds)
-from magi_moe.audit.judge import judge
-from magi_moe.audit.precision import (BF16, FP32, gamma, gamma_probabilistic, hoeffding_lambda,
+from magi_moe.judge import judge
+from magi_moe.judge.precision import (BF16, FP32, gamma, gamma_probabilistic, hoeffding_lambda,
                              precision_model, truncating, with_truncating_downcasts)
 from magi_moe.audit.probes import PROBES, probe_problem
 from magi_moe.config import preset

@@ -1,13 +1,13 @@
-"""The one accuracy judge (audit.judge): a correct output passes with every criterion reported,
+"""The one accuracy judge (magi_moe.judge): a correct output passes with every criterion reported,
 and each criterion can fail on its own, with a text that names it and its figures."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from magi_moe.audit.bounds import problem_bounds
-from magi_moe.audit.judge import BASELINE_FACTOR, InvalidProblem, judge
-from magi_moe.audit.precision import ulp, unit_roundoff
+from magi_moe.judge.bounds import problem_bounds
+from magi_moe.judge.accuracy import BASELINE_FACTOR, InvalidProblem, judge
+from magi_moe.judge.precision import ulp, unit_roundoff
 from magi_moe.config import preset
 from magi_moe.impls import BASELINE, REFERENCE
 from magi_moe.problems import random_problem, run_poisoned
@@ -155,7 +155,7 @@ def test_another_summation_order_is_faithful_where_sums_cancel(probe, dtype):
     summed in an order the judge does not try itself (a kernel's, as far as the CPU can show
     one) passes on the cancelling probes, where the strict one-ulp form alone failed it (the
     H200's kernels: 95-99% within one ulp)."""
-    from magi_moe.audit.judge import ORDER_SEEDS, reordered_problem
+    from magi_moe.judge.accuracy import ORDER_SEEDS, reordered_problem
     from magi_moe.audit.probes import probe_problem
     from magi_moe.reference import expert_reference
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from magi_moe.audit import mpcheck
-from magi_moe.audit.precision import BF16, FP32
+from magi_moe.judge.precision import BF16, FP32
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # see conftest

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from magi_moe.audit.bounds import HIST_EDGES
+from magi_moe.judge.bounds import HIST_EDGES
 from magi_moe.audit.plots import _close_counts, _close_points, _distinct_series, _occupied_range
 
 

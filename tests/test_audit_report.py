@@ -9,7 +9,7 @@ import torch
 
 from magi_moe.backends import BACKENDS
 
-from magi_moe.audit.__main__ import main
+from magi_moe.audit.cli import main
 from magi_moe import registry
 from magi_moe.implementation import Implementation
 
@@ -101,7 +101,7 @@ CUDA_ONLY = Implementation("cuda-only-example", _plain_forward, ("cuda",), "bf16
 def test_an_audit_that_audited_nothing_exits_3(tmp_path, capsys):
     """The cpu backend cannot run an implementation declaring only cuda: the run says so and
     fails instead of printing PASSED over a table of skips."""
-    argv = FAST + ["--out", str(tmp_path), "--no-controls", "--impl", "magi_moe.tests.test_audit_report:CUDA_ONLY"]
+    argv = FAST + ["--out", str(tmp_path), "--no-controls", "--impl", f"{__name__}:CUDA_ONLY"]
     assert main(argv) == 3
     printed = capsys.readouterr().out
     assert "NOTHING AUDITED" in printed and "PASSED" not in printed

@@ -22,7 +22,7 @@ from magi_moe.reference import expert_reference
 
 TINY = ["--device", "cpu", "--heads", "1", "--tokens", "32", "--experts", "8", "--top-k", "2",
         "--head-dim", "64", "--inter", "128", "--warmup", "0", "--iters", "2", "--no-graphs"]
-EXAMPLE = "tests.outside_impl_example:IMPL"
+EXAMPLE = "magi_moe.tests.outside_impl_example:IMPL"
 ROOT = Path(__file__).resolve().parents[1]
 CALLS: dict[str, int] = {"forgets-probs": 0, "narrow": 0}
 

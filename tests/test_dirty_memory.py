@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from magi_moe import dirty_memory as dm
-from magi_moe.audit.judge import judge
+from magi_moe.judge import judge
 from magi_moe.backends import BACKENDS
 from magi_moe.config import preset
 from magi_moe.impls import FUSED, REFERENCE, TORCH_BF16

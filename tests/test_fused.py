@@ -21,7 +21,7 @@ import textwrap
 import pytest
 import torch
 
-from magi_moe.audit.judge import judge
+from magi_moe.judge import judge
 from magi_moe.backends import BACKENDS
 from magi_moe.config import MoEConfig, preset
 from magi_moe.impls import FUSED

@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("hypothesis")
 
-from magi_moe.fuzz.__main__ import main  # noqa: E402
+from magi_moe.fuzz.cli import main  # noqa: E402
 from magi_moe.fuzz.fuzzers import PROPERTIES  # noqa: E402
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from magi_moe.fuzz.__main__ import main
+from magi_moe.fuzz.cli import main
 
 
 def _summary(path, *, targets, failures=(), failed=0, seed=1):

@@ -202,9 +202,9 @@ def test_huge_cases_cross_the_int32_boundary(case):
 # -- every property draws inside the declaration ------------------------------------------------
 def _narrow_target():
     from magi_moe.fuzz.properties import make_target
-    from tests.outside_narrow_example import IMPL
+    from magi_moe.tests.outside_narrow_example import IMPL
 
-    return make_target(IMPL, "cpu", spec="tests.outside_narrow_example:IMPL")
+    return make_target(IMPL, "cpu", spec="magi_moe.tests.outside_narrow_example:IMPL")
 
 
 @pytest.mark.parametrize("name", sorted(n for n, p in fuzzers.PROPERTIES.items()

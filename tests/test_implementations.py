@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from magi_moe.config import MoEConfig, preset
-from magi_moe.audit.judge import judge
+from magi_moe.judge import judge
 from magi_moe.problems import random_problem, routes_to, run_poisoned
 
 pytestmark = pytest.mark.kernels_only

@@ -38,7 +38,7 @@ def test_a_layer_loading_gate_and_up_swapped_fails_here_and_nowhere_else():
     rows pass it (the audit's cache section too); compared with what it was given, it fails."""
     from magi_moe.tests.outside_broken import SWAPPED_CHECKPOINT_LAYER as SWAPPED
     from magi_moe.tests.outside_broken import UNCACHED_LAYER
-    from magi_moe.tests.test_weight_changes import route_failures
+    from .test_weight_changes import route_failures
 
     why_not, bad = checkpoint_failures(SWAPPED, "cpu")
     assert why_not is None and bad, (why_not, bad)

@@ -1,5 +1,5 @@
 """The suite must fail on broken kernels. Each mutant is the native kernel's source with one
-deliberate bug; the accuracy judge (audit.judge) that passes the real kernel must reject it."""
+deliberate bug; the accuracy judge (magi_moe.judge) that passes the real kernel must reject it."""
 import importlib.util
 import pathlib
 import re
@@ -16,7 +16,7 @@ from magi_moe.config import preset
 from magi_moe.problems import random_problem, run_poisoned
 from magi_moe.registry import Implementation
 
-from magi_moe.audit.judge import judge
+from magi_moe.judge import judge
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

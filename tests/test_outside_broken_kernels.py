@@ -73,7 +73,7 @@ def test_the_audit_audits_inside_the_declared_shapes(tmp_path):
     instead of failing or skipping the implementation."""
     import json
 
-    from magi_moe.audit.__main__ import main
+    from magi_moe.audit.cli import main
 
     argv = ["--preset", "tiny", "--tokens", "24", "--probe", "random", "--no-mpcheck", "--no-controls",
             "--impl", f"{MODULE}:INT32_WRAP", "--out", str(tmp_path)]
@@ -88,7 +88,7 @@ def test_the_audit_fails_a_wandering_sum_on_cancelling_sums(tmp_path):
     cancelling-sums rerun shows it and fails the run."""
     import json
 
-    from magi_moe.audit.__main__ import main
+    from magi_moe.audit.cli import main
 
     argv = ["--preset", "tiny", "--tokens", "24", "--probe", "random", "--no-mpcheck", "--no-controls",
             "--impl", f"{MODULE}:WANDERING_SUM", "--out", str(tmp_path)]

@@ -2,7 +2,7 @@
 held to the protocol of magi_moe.registry, and reported under their own names.
 
 The ``test_protocol_*`` tests take ``impl_backend``, so they run for whatever ``--impl`` selects;
-one test runs them in a child pytest with ``--impl tests.outside_impl_example:IMPL`` and an
+one test runs them in a child pytest with ``--impl magi_moe.tests.outside_impl_example:IMPL`` and an
 entry-point plugin, the way a kernel team would, and reads the JUnit report.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from magi_moe import plugins, registry
-from magi_moe.audit.judge import judge
+from magi_moe.judge import judge
 from magi_moe.config import preset
 from magi_moe.problems import random_problem, run_poisoned
 from magi_moe.registry import get_implementation, implementations, load_implementation

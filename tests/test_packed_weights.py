@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from magi_moe.audit.judge import judge
+from magi_moe.judge import judge
 from magi_moe.config import preset
 from magi_moe.layer import MagiMoE
 from magi_moe.packed_weights import PackedWeightCache, gate_up_views, is_packed_pair

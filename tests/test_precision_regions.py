@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from magi_moe.audit.judge import judge
+from magi_moe.judge import judge
 from magi_moe.audit.probes import probe_problem
 from magi_moe.config import preset
 from magi_moe.implementation import Implementation

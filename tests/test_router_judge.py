@@ -21,7 +21,7 @@ from magi_moe.backends import BACKENDS
 from magi_moe.routing import Routes, route, router_logits, scores_from_logits, select_experts
 from magi_moe.tests import outside_broken
 from magi_moe.tests.outside_impl_example import IMPL as EXAMPLE
-from magi_moe.tests.test_router_conformance import ROUTER_CONFIGS, judge_impl_router
+from .test_router_conformance import ROUTER_CONFIGS, judge_impl_router
 
 REPO = Path(__file__).resolve().parent.parent
 BROKEN = "magi_moe.tests.outside_broken"

@@ -149,7 +149,7 @@ def test_an_inaccurate_kernel_is_counted_under_accuracy_not_isolation():
     """One root cause, one verdict row: a kernel wrong on clean rows alone (1% off on busy
     experts) fails the isolation check as an accuracy finding, which the verdict counts under
     accuracy; an isolation bug stays an isolation finding."""
-    from magi_moe.audit.judge import Inaccurate
+    from magi_moe.judge import Inaccurate
     from magi_moe.tests.outside_team_kernel import BUGGY, GOOD
     from magi_moe.verdict import LayerWrongOnItsOwn
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from magi_moe.tests.conftest import slow_shard
+from .conftest import slow_shard
 
 
 def test_a_shard_is_parsed_and_a_bad_one_refused():
@@ -17,7 +17,7 @@ def test_a_shard_is_parsed_and_a_bad_one_refused():
 def test_the_shards_balance_the_measured_seconds():
     """Longest first onto the least loaded shard: no two shards differ by more than the longest
     test, and a checkout's and an installed wheel's node ids land in the same shard."""
-    from magi_moe.tests.conftest import SLOW_SECONDS, shard_owners
+    from .conftest import SLOW_SECONDS, shard_owners
 
     rows = [line.split(" ", 1) for line in SLOW_SECONDS.read_text().splitlines() if line.strip()]
     assert rows, f"{SLOW_SECONDS} lists no test"

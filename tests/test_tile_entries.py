@@ -28,7 +28,7 @@ pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
 
 import torch
 
-from magi_moe.audit.judge import judge
+from magi_moe.judge import judge
 from magi_moe.backends import BACKENDS
 from magi_moe.config import MoEConfig, preset
 from magi_moe.debug import poison_workspaces

@@ -113,7 +113,7 @@ def test_pytest_says_a_bad_impl_once(tmp_path):
 # -- audit ---------------------------------------------------------------------------------------
 
 def audit_main(argv):
-    from magi_moe.audit.__main__ import main
+    from magi_moe.audit.cli import main
 
     return main(argv)
 
@@ -194,7 +194,7 @@ def test_the_header_says_the_cpu_backend_audits_the_kernels_under_the_interprete
 # -- fuzz ----------------------------------------------------------------------------------------
 
 def fuzz_main(argv):
-    from magi_moe.fuzz.__main__ import main
+    from magi_moe.fuzz.cli import main
 
     return main(argv)
 

@@ -205,7 +205,7 @@ def test_a_layer_wrong_from_the_start_is_one_accuracy_row_even_where_accuracy_pa
 
 
 def test_causes_are_read_from_the_exception_or_what_it_was_raised_from():
-    from magi_moe.audit.judge import Inaccurate
+    from magi_moe.judge.accuracy import Inaccurate
 
     assert V.cause_of(Inaccurate("any words at all", "baseline")) == V.INACCURATE
     assert V.cause_of(V.LayerWrongFromTheStart("x")) == V.WRONG_FROM_THE_START
@@ -251,7 +251,7 @@ def test_a_correct_trusting_narrow_implementation_gets_no_failure(tmp_path):
     """tests/outside_narrow_example.py raises on anything outside its rule and never validates
     its inputs: a check that calls it outside the rule, or holds it to input checks it never
     declared, fails here. Every conformance test must also name its clause."""
-    rc, data, log = _conformance("tests.outside_narrow_example:IMPL", tmp_path, "-m", "not slow")
+    rc, data, log = _conformance("magi_moe.tests.outside_narrow_example:IMPL", tmp_path, "-m", "not slow")
     assert rc == 0, log
     rows = _rows(data)
     assert not [c for c, r in rows.items() if r["status"] == V.FAIL], log
@@ -264,7 +264,7 @@ def test_a_correct_trusting_narrow_implementation_gets_no_failure(tmp_path):
 
 @pytest.mark.slow
 def test_a_stale_cache_fails_its_route_row_and_the_rerun_fails_again(tmp_path):
-    rc, data, log = _conformance("tests.outside_broken:VERSION_KEYED_LAYER", tmp_path,
+    rc, data, log = _conformance("magi_moe.tests.outside_broken:VERSION_KEYED_LAYER", tmp_path,
                                  "-k", "test_layer_follows_the_weight_change")
     assert rc == 1, log
     rows = _rows(data)
@@ -353,7 +353,7 @@ def test_reworded_audit_subjects_and_results_change_no_row():
 def test_the_judge_types_an_inaccuracy_and_the_fuzz_properties_keep_the_type():
     """Planted: an output off by a constant is Inaccurate (counted under accuracy wherever it is
     met); one with unwritten elements is the case's own failure; a right one passes."""
-    from magi_moe.audit.judge import Inaccurate, judge
+    from magi_moe.judge.accuracy import Inaccurate, judge
     from magi_moe.config import preset
     from magi_moe.fuzz.properties import _differential, make_target
     from magi_moe.fuzz.record import PropertyViolation
@@ -386,7 +386,7 @@ PLANTED = '''
 import pytest
 
 from magi_moe import verdict as V
-from magi_moe.audit.judge import Inaccurate
+from magi_moe.judge.accuracy import Inaccurate
 
 
 @pytest.mark.clause("accuracy")

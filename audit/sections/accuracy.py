@@ -1,5 +1,5 @@
 """The ``bounds`` section: each implementation on each probe (:mod:`audit.probes`) at each of the
-audit's presets, judged by :func:`audit.judge.judge`: the error bounds first, then the
+audit's presets, judged by :func:`magi_moe.judge.judge`: the error bounds first, then the
 FlashAttention-style baseline ratio and faithfulness to its precision model's emulation."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from magi_moe.config import preset
 from magi_moe.impls import BASELINE
 from magi_moe.problems import run_poisoned
 
-from ..bounds import compute_error_bounds
-from ..judge import judge
+from magi_moe.judge.bounds import compute_error_bounds
+from magi_moe.judge import judge
 from ..probes import probe_problem
 from magi_moe.verdict import unsupported
 
@@ -88,7 +88,7 @@ def _check_bounds(audit: Audit, impl, problem, bounds, base_out, preset_name, pr
         data["bounds"] = report.to_dict()
         result = (f"{report.model}: err/bound max {report.worst_max_ratio:.3g} worst-case, "
                   f"{report.prob_max_ratio:.3g} probabilistic; rel L2 {report.relative_l2:.2e}")
-        versus = verdict.check("baseline")  # absent for fp32 inputs (see audit.judge)
+        versus = verdict.check("baseline")  # absent for fp32 inputs (see magi_moe.judge)
         if versus is not None:
             result += f"; vs {BASELINE.name} {versus.figures['baseline_ratio']:.2f}x"
         faithful = verdict.check("faithfulness")

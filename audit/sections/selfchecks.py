@@ -10,8 +10,8 @@ from magi_moe.config import preset
 from magi_moe.problems import Problem, run_poisoned
 
 from .. import mpcheck
-from ..bounds import compute_error_bounds, evaluate_bounds
-from ..emulation import FP32ACC_EMULATION, negative_controls
+from magi_moe.judge.bounds import compute_error_bounds, evaluate_bounds
+from magi_moe.judge.emulation import FP32ACC_EMULATION, negative_controls
 from ..probes import PROBES, probe_problem
 from ..rows import FAIL, PASS, SUITE, Row
 from ..selfcheck import run_selfcheck

@@ -25,7 +25,7 @@ Built in: ``native``, ``native-det`` (the native kernel, atomic / deterministic)
 that declares a ``router`` of its own (``fused-routing``, or yours with ``--impl``).
 
 ``--impl NAME|package.module:attr`` (repeatable) adds an implementation of your own at both levels,
-timed beside ``fused`` and the plain PyTorch baseline (``torch-bf16``) on the same drawn problems. Every implementation path is judged first (:func:`magi_moe.audit.judge.judge`
+timed beside ``fused`` and the plain PyTorch baseline (``torch-bf16``) on the same drawn problems. Every implementation path is judged first (:func:`magi_moe.judge.judge`
 under its declared precision model, relative L2 against float64): a wrong one is reported WRONG
 with its error and not timed (a ``forward`` that returns a new tensor instead of writing ``out``
 too); a case outside its declared shapes is reported unsupported, one whose ``supports()``

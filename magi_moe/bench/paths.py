@@ -189,13 +189,13 @@ def make_paths(problem: Problem, names) -> dict[str, Callable[[], torch.Tensor]]
 
 def check_path(path: BenchPath, problem: Problem, fn: Callable[[], torch.Tensor],
                baseline: torch.Tensor | None = None) -> dict:
-    """Judge one call of ``fn`` before any timing: :func:`magi_moe.audit.judge.judge` under the
+    """Judge one call of ``fn`` before any timing: :func:`magi_moe.judge.judge` under the
     implementation's declared precision model on the routes the path computes, with the relative
     L2 and largest error against float64. ``status`` is ``ok`` or ``WRONG`` (with ``why``); for
     layer paths whose router picks other experts than magi-moe's torch router, the mismatched
     (token, head) pairs are counted (a near-tie differs at fp32 rounding)."""
-    from ..audit.bounds import problem_bounds
-    from ..audit.judge import judge
+    from ..judge.bounds import problem_bounds
+    from ..judge import judge
 
     impl = path.impl
     judged = path.judged_problem(problem)

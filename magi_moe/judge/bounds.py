@@ -9,7 +9,7 @@ column ``j < Dh``, with every input taken as its exact (bf16-valued) number:
     o_j = sum_i a_i W_down[f][i, j]                     (sum over I)
     y_j = sum over the token's K routes of p o_j
 
-A :class:`~audit.precision.PrecisionModel` says where an implementation rounds. Each step is
+A :class:`~magi_moe.judge.precision.PrecisionModel` says where an implementation rounds. Each step is
 bounded with the standard model (``|fl(v) - v| <= unit |v| + underflow``) and each sum of n
 exact products with ``gamma_{n+1} sum |terms|`` (Higham Lemma 3.1; the +1 covers operands whose
 products are not exact in the accumulator). Errors cross SwiGLU7 through its derivatives:
@@ -427,7 +427,7 @@ def check_error_bounds(out: torch.Tensor, problem: Problem,
                        precision_model: PrecisionModel | str | Implementation, *,
                        failure_probability: float = DEFAULT_FAILURE_PROBABILITY,
                        label: str = "") -> BoundReport:
-    """The bounds criterion alone (tests judge with :func:`audit.judge.judge`, which applies it
+    """The bounds criterion alone (tests judge with :func:`magi_moe.judge.judge`, which applies it
     first): bounds for ``problem`` under ``precision_model`` (a model, its name, or an
     Implementation, whose declared model is used), then ``out`` checked against them. Use
     ``report.ok`` (both bounds) or ``report.proven_ok`` (worst case only)."""

@@ -1,7 +1,7 @@
 """Floating-point formats and the precision models of CONTRACT section 1, as data.
 
 A :class:`PrecisionModel` says where an implementation rounds and in which format it
-accumulates; :mod:`audit.bounds` turns it into per-element error bounds. The registry's
+accumulates; :mod:`magi_moe.judge.bounds` turns it into per-element error bounds. The registry's
 ``Implementation.precision`` strings name the models (``precision_model(name, dtype)``).
 
 Rounding follows the standard model with gradual underflow (Higham, *Accuracy and Stability of

@@ -1,6 +1,6 @@
 """The one accuracy judge: is ``out`` accurate enough for ``impl`` on ``problem``?
 
-    from magi_moe.audit.judge import judge
+    from magi_moe.judge import judge
     v = judge(out, problem, impl)      # impl: an Implementation, or a precision-model name
     assert v.ok, v.text
 
@@ -9,7 +9,7 @@ first that fails decides; ``Verdict.text`` names it with the measured and the al
 
 1. **written**: every element finite. Outputs are NaN-poisoned before a run, so a NaN is an
    element nobody wrote.
-2. **bounds** (the primary criterion): :mod:`audit.bounds`' per-element bounds for the
+2. **bounds** (the primary criterion): :mod:`magi_moe.judge.bounds`' per-element bounds for the
    implementation's declared precision model. No element above the proven worst-case bound (a
    violation proves the model is not followed), none above the probabilistic one (false alarm
    with probability ``failure_probability`` for the whole output).
@@ -36,7 +36,7 @@ fp32 summation-order noise of one size, and there is no coarser final rounding t
 bounds alone judge (TF32 operands still fail them: 7x the worst-case bound, tiny preset).
 
 Everything the judge needs it computes from ``problem``; callers that judge several outputs on
-one problem may pass what they already hold (``bounds`` from :func:`audit.bounds.
+one problem may pass what they already hold (``bounds`` from :func:`magi_moe.judge.bounds.
 compute_error_bounds`, whose ``reference`` is the float64 oracle, and the ``baseline`` output).
 """
 from __future__ import annotations
