@@ -23,12 +23,11 @@ SECTION = "determinism"
 
 def run(audit: Audit) -> Iterator[Row]:
     o = audit.options
-    if audit.device.type == "cuda":
+    runs = o.determinism_runs or audit.backend.audit_determinism_runs
+    if audit.backend.small_audit_inputs:  # the interpreter runs programs one after another: a
+        problem = probe_problem("random", preset("tiny"), 64, seed=o.seed)  # small input shows as much
+    else:
         problem = audit.main_problem()
-        runs = o.determinism_runs or 20
-    else:  # the interpreter runs programs one after another: a small input shows as much
-        problem = probe_problem("random", preset("tiny"), 64, seed=o.seed)
-        runs = o.determinism_runs or 3
     for impl in audit.selected_impls():
         config = impl.shapes.nearest(problem.config)  # inside the declared shapes
         why = audit.runnable_here(impl) or impl.supports(config)
