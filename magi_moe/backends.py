@@ -1,7 +1,9 @@
 """Where code runs: the CPU reference backend, the Triton interpreter, and CUDA.
 
-A backend is a device plus a statement of whether Triton kernels run there. Adding ROCm or
-MUSA is one more ``Backend`` entry here (and one tox environment).
+A backend is a device, whether Triton kernels run there, and every default the suite picks by
+it (the audit's shapes and runs, the fuzz size budget, the variables a process needs): fields of
+``Backend``, read by the sites instead of the name. Adding ROCm or MUSA is one more ``Backend``
+entry here (and one tox environment).
 """
 from __future__ import annotations
 
