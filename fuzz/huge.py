@@ -169,8 +169,8 @@ class IsolatedResult:
 
 
 def child_env(backend: str) -> dict[str, str]:
-    """The environment of a child that runs ``backend``: the interpreter flag is set (or cleared)
-    before anything imports Triton kernels, and the checkout is importable, and so is the
+    """The environment of a child that runs ``backend``: its variables set, the other backends'
+    cleared (``TRITON_INTERPRET``) before anything imports Triton kernels, and the checkout is importable, and so is the
     current directory (where ``--impl package.module:attr`` was named; the child runs elsewhere)."""
     env = get_backend(backend).child_env()
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, [str(REPO_ROOT), os.getcwd(),
@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fuzz.huge",
                                      description="Run one huge-token case (a child of the fuzzer).")
     parser.add_argument("--case", required=True, help="HugeCase JSON")
-    parser.add_argument("--device", default="cpu", choices=tuple(dict.fromkeys(b.device for b in BACKENDS.values())))
+    devices = tuple(dict.fromkeys(b.device for b in BACKENDS.values()))  # cpu, cuda
+    parser.add_argument("--device", default="cpu", choices=devices)
     parser.add_argument("--impl", required=True,
                         help="implementation: a registered name or package.module:attr")
     parser.add_argument("--mode", default="launcher", choices=("launcher", "forward"),

@@ -51,8 +51,8 @@ class Backend:
     # NAME=VALUE variables a process needs before any Triton kernel is imported (decoration reads
     # them); a child started for another backend has them removed.
     process_env: tuple[str, ...] = ()
-    # The pytest marker of this backend's rows ("NAME: help"), so `-m "not cuda"` deselects
-    # them; None: its rows run anywhere and need no marker.
+    # The help of the pytest marker named after this backend, which its rows carry so that
+    # `-m "not cuda"` deselects them; None: its rows run anywhere and need no marker.
     marker: str | None = None
     # The backend whose Triton kernels an audit on this one also runs when usable (the CPU audit
     # runs them under the interpreter), and how the report then describes what it audits.

@@ -24,10 +24,9 @@ SECTION = "determinism"
 def run(audit: Audit) -> Iterator[Row]:
     o = audit.options
     runs = o.determinism_runs or audit.backend.audit_determinism_runs
-    if audit.backend.small_audit_inputs:  # the interpreter runs programs one after another: a
-        problem = probe_problem("random", preset("tiny"), 64, seed=o.seed)  # small input shows as much
-    else:
-        problem = audit.main_problem()
+    # the interpreter runs programs one after another: a small input shows as much
+    problem = (probe_problem("random", preset("tiny"), 64, seed=o.seed) if audit.backend.small_audit_inputs
+               else audit.main_problem())
     for impl in audit.selected_impls():
         config = impl.shapes.nearest(problem.config)  # inside the declared shapes
         why = audit.runnable_here(impl) or impl.supports(config)
