@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 from magi_moe.arguments import OneLineParser, refuse
+from magi_moe.backends import BACKENDS, get_backend
 
-BACKEND_NAMES = ("cpu", "interpret", "cuda")
 # The prefix of its usage and error lines, as it was started: the console script or python -m.
 PROG = "magi-moe audit" if Path(sys.argv[0] if sys.argv else "").name == "magi-moe" else "python -m audit"
 
@@ -29,7 +28,7 @@ PROG = "magi-moe audit" if Path(sys.argv[0] if sys.argv else "").name == "magi-m
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = OneLineParser(prog=PROG, description=__doc__.split("\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=BACKEND_NAMES, default="cpu",
+    p.add_argument("--backend", choices=tuple(BACKENDS), default="cpu",
                    help="where to run: cpu (default; also runs the kernels if TRITON_INTERPRET=1), "
                         "interpret (sets TRITON_INTERPRET=1), cuda (production shapes)")
     p.add_argument("--impl", action="append", default=[], metavar="NAME",
@@ -72,15 +71,16 @@ def enable_interpreter_for_cpu(argv: list[str] | None = None) -> None:
     interpreter. Called only by the program entry points (``python -m audit``, ``magi-moe
     audit``), never by ``main`` itself, so a test calling ``main`` in-process keeps its env."""
     args = parse_args(argv)
-    wanted = args.backend == "cpu" and not args.no_kernels and importlib.util.find_spec("triton") is not None
-    if not wanted or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    kernels_on = get_backend(args.backend).audits_kernels_on
+    wanted = kernels_on and not args.no_kernels and importlib.util.find_spec("triton") is not None
+    if not wanted or get_backend(kernels_on).available:
         return
     if any(m.startswith("magi_moe.kernels") for m in sys.modules):
         print("audit: the Triton kernels were imported before the interpreter could be enabled; "
               "set TRITON_INTERPRET=1 before starting Python to audit them on the CPU", file=sys.stderr)
         return
     # Read when kernels are decorated: set before anything imports magi_moe.kernels.
-    os.environ["TRITON_INTERPRET"] = "1"
+    get_backend(kernels_on).enable_here()
     _notes.append("audit: TRITON_INTERPRET=1 set for this run, so the Triton kernels are audited "
                   "under the CPU interpreter (--no-kernels to skip them)")
 
@@ -96,9 +96,8 @@ def cli(argv: list[str] | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.backend == "interpret":
-        # Read when kernels are decorated: set before anything imports magi_moe.kernels.
-        os.environ["TRITON_INTERPRET"] = "1"
+    # Read when kernels are decorated: set before anything imports magi_moe.kernels.
+    get_backend(args.backend).enable_here()
     import torch
 
     from magi_moe.config import PRESETS
@@ -133,12 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     while _notes:
         print(_notes.pop(0), flush=True)
     audit = Audit(options)
-    if not audit.backend.available and args.backend != "cpu":
+    if not audit.backend.available:
         return refuse(prog, f"--backend {args.backend} is unavailable here: "
                             f"{audit.backend.unavailable_reason()}")
     threads = torch.get_num_threads()
-    if args.threads or args.backend != "cuda":
-        torch.set_num_threads(args.threads or 1)
+    if args.threads or audit.backend.audit_threads:
+        torch.set_num_threads(args.threads or audit.backend.audit_threads)
     try:
         return audit.run()
     finally:

@@ -55,12 +55,10 @@ class AuditOptions:
     allow_no_kernels: bool = False
 
     def resolved_presets(self) -> list[str]:
-        if self.presets:
-            return self.presets
-        return ["magi2-ep4-local", "magi2-full"] if self.backend == "cuda" else ["small"]
+        return self.presets or list(get_backend(self.backend).audit_presets)
 
     def resolved_tokens(self) -> int:
-        return self.tokens or (4096 if self.backend == "cuda" else 128)
+        return self.tokens or get_backend(self.backend).audit_tokens
 
 
 class Audit:
@@ -107,16 +105,17 @@ class Audit:
 
     def runs_on(self, name: str) -> str:
         """Where the implementation called ``name`` runs in this audit: on the cpu backend a
-        Triton implementation runs under the interpreter."""
+        Triton implementation runs under the interpreter (``Backend.audits_kernels_on``)."""
         impl = next((i for i in self.selected_impls() if i.name == name), None)
-        if self.backend.name == "cpu" and impl is not None and "cpu" not in impl.backends:
-            return "interpret"
+        kernels_on = self.backend.audits_kernels_on
+        if kernels_on and impl is not None and self.backend.name not in impl.backends:
+            return kernels_on
         return self.backend.name
 
     def runnable_here(self, impl: Implementation) -> str | None:
         """Why ``impl`` cannot run on this audit's device, or None. The ``cpu`` backend audits
         whatever runs on CPU tensors: Triton implementations too, under the interpreter."""
-        where = torch.device("cpu") if self.backend.name == "cpu" else self.backend
+        where = self.device if self.backend.audits_kernels_on else self.backend
         return impl.skip_reason(where)
 
     def model_for(self, impl: Implementation, config):
@@ -226,9 +225,8 @@ class Audit:
 def backend_description(backend: Backend) -> str:
     """What the backend audits in this run: the cpu backend also audits the Triton kernels
     when the interpreter is on (``Audit.runnable_here``)."""
-    if backend.name == "cpu" and get_backend("interpret").available:
-        return ("the CPU: the torch paths, and the Triton kernels under the interpreter "
-                "(TRITON_INTERPRET=1)")
+    if backend.audits_kernels_on and get_backend(backend.audits_kernels_on).available:
+        return backend.kernels_audit_description
     return backend.description
 
 
@@ -238,7 +236,7 @@ def environment(backend: Backend, options: AuditOptions) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    device = (torch.cuda.get_device_name(0) if backend.name == "cuda" and torch.cuda.is_available()
+    device = (torch.cuda.get_device_name(0) if backend.device == "cuda" and torch.cuda.is_available()
               else platform.processor() or platform.machine())
     return {"backend": backend.name, "audits": backend_description(backend), "device": device, "torch": torch.__version__,
             "triton": triton_version, "python": platform.python_version(),

@@ -55,6 +55,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from magi_moe.arguments import OneLineParser, finite_non_negative, finite_positive, refuse
+from magi_moe.backends import BACKENDS, by_speed, get_backend
 from magi_moe.cli import refuse_bad_impl
 
 from . import database as fuzz_db
@@ -93,7 +94,6 @@ def machine_names(tests_dir: Path = _TESTS_DIR) -> tuple[str, ...]:
 DEFAULT_TESTS = campaign_test_files()
 STATE_MACHINES = machine_names()  # --properties names that are not fuzz.fuzzers.PROPERTIES
 PROFILES = ("nightly", "dev", "ci")
-BACKEND_NAMES = ("cpu", "interpret", "cuda")  # magi_moe.backends.BACKENDS
 OTHER_COMMANDS = """other commands (each takes --help):
   python -m fuzz replay RECORD|FILE                  replay one recorded case exactly; exit 1 if it still fails
   python -m fuzz rerun NODEID --db DIR --backend B   replay a failing test node from a campaign's database
@@ -106,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter,
                       epilog=OTHER_COMMANDS.replace("python -m fuzz", prog))
-    p.add_argument("--backend", default=None, choices=BACKEND_NAMES,
+    p.add_argument("--backend", default=None, choices=tuple(BACKENDS),
                    help="cpu, interpret or cuda (default: one every --impl declares and usable "
                         "here: cuda on a GPU, else cpu, else interpret)")
     p.add_argument("--impl", action="append", default=[],
@@ -152,17 +152,19 @@ def _unusable(backend: str, impls: list) -> str | None:
     """Why ``backend`` cannot run here (one phrase), or None."""
     from magi_moe.backends import triton_installed
 
-    if backend == "cuda" and _cuda_count() == 0:
+    chosen = get_backend(backend)
+    if chosen.device == "cuda" and _cuda_count() == 0:  # nvidia-smi: the runner starts no CUDA
         return "no CUDA GPU here"
-    plain_on_gpu = backend == "cuda" and impls and all(i.plain_pytorch for i in impls)
-    if backend != "cpu" and not plain_on_gpu and not triton_installed():
+    plain_only = chosen.runs_plain_pytorch and impls and all(i.plain_pytorch for i in impls)
+    if chosen.runs_triton and not plain_only and not triton_installed():
         return "triton is not installed (the [triton] extra)"
     return None
 
 
 def choose_backend(requested: str | None, impl_names: list[str]) -> tuple[str | None, str | None]:
     """``(backend, None)``, or ``(None, why)`` in one line: the asked-for backend when every
-    --impl declares it and it is usable here, else the first of cuda, cpu, interpret that is."""
+    --impl declares it and it is usable here, else the fastest that is (cuda, cpu, interpret;
+    with no --impl those running kernels first: cuda, interpret, cpu)."""
     from magi_moe.registry import get_implementation
 
     impls = [get_implementation(name) for name in impl_names]
@@ -173,8 +175,7 @@ def choose_backend(requested: str | None, impl_names: list[str]) -> tuple[str | 
                               f"{', '.join(impl.backends)})")
         why = _unusable(requested, impls)
         return (None, f"--backend {requested} is not usable here: {why}") if why else (requested, None)
-    order = ("cuda", "cpu", "interpret") if impls else ("cuda", "interpret", "cpu")
-    for backend in order:
+    for backend in (b.name for b in by_speed(kernels_first=not impls)):
         if all(backend in impl.backends for impl in impls) and _unusable(backend, impls) is None:
             return backend, None
     declared = "; ".join(f"{impl.name} declares {', '.join(impl.backends)}" for impl in impls)
@@ -242,7 +243,7 @@ def build_pytest_command(args, *, backend: str, out: Path, start: float, seed: i
            "--fuzz-round-examples", str(args.round_examples),
            "--fuzz-first-round-examples", str(getattr(args, "first_round_examples", 1)),
            "--fuzz-case-timeout", repr(float(args.case_timeout)), "--fuzz-gpus", str(gpus),
-           "--fuzz-device", "cuda" if backend == "cuda" else "cpu",
+           "--fuzz-device", get_backend(backend).device,
            "--junitxml", str(out / "junit.xml"), "-o", "junit_family=xunit2"]
     if args.workers > 0:
         cmd += ["-n", str(args.workers), "--max-worker-restart", str(max(8, 4 * args.workers))]
@@ -258,7 +259,7 @@ def build_pytest_command(args, *, backend: str, out: Path, start: float, seed: i
         cmd += ["--fuzz-order", str(out / "order.json")]
     if getattr(args, "no_shrink", False):
         cmd.append("--fuzz-no-shrink")
-    default_size = 1.0 if args.profile == "ci" else 32.0 if backend == "cuda" else 2.0
+    default_size = 1.0 if args.profile == "ci" else get_backend(backend).fuzz_size_budget
     size = getattr(args, "size_budget", None) or default_size
     cmd += ["--fuzz-size-budget", repr(float(size))]
     for impl in args.impl:
@@ -683,7 +684,7 @@ def campaign_main(argv: list[str]) -> int:
                                                     any_backend=args.replay_only)]
     order = {"first": [f["nodeid"] for f in findings if f.get("nodeid")], "rotation": rotation}
     (out / "order.json").write_text(json.dumps(order, indent=1))
-    gpus = _cuda_count() if backend == "cuda" and args.workers > 1 else 0
+    gpus = _cuda_count() if get_backend(backend).device == "cuda" and args.workers > 1 else 0
     start = time.time()
     print(f"[fuzz] backend {backend}, impl {args.impl or 'all'}, seed {seed}, budget {args.budget_seconds:.0f} s, "
           f"workers {args.workers}, database {fuzz_db.describe(args.db)}"
@@ -843,7 +844,7 @@ def rerun_main(argv: list[str]) -> int:
                       description="Replay a failing fuzz test from a campaign's example database.")
     p.add_argument("nodeid", help="the failing test node, as the campaign printed it")
     p.add_argument("--db", required=True, help="the campaign's example database directory")
-    p.add_argument("--backend", required=True, choices=BACKEND_NAMES,
+    p.add_argument("--backend", required=True, choices=tuple(BACKENDS),
                    help="cpu, interpret or cuda, as in the campaign")
     p.add_argument("--impl", action="append", default=[],
                    help="implementation under test, as in the campaign; repeatable")

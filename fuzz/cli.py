@@ -14,11 +14,11 @@ with its one-line ``repro``) and ``<out>/pytest.log``; see :mod:`fuzz.campaign`.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from magi_moe.arguments import OneLineParser
+from magi_moe.backends import BACKENDS
 
 # The fields a failure record may carry (fuzz.properties writes them); a misspelt one is refused
 # in one line instead of surfacing as a KeyError or TypeError deep inside the replay.
@@ -71,8 +71,8 @@ def replay_main(argv: list[str]) -> int:
     problem = record_problem(record)
     if problem:
         parser.error(problem)
-    if record.get("backend") == "interpret":
-        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+    if record.get("backend") in BACKENDS:
+        BACKENDS[record["backend"]].enable_here()  # before any kernel module is imported
     from .cases import case_from_dict
     from .fuzzers import replay
     from .record import REPLAY_UNAVAILABLE, DeviceFault, PropertyViolation

@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 from hypothesis import given, settings as Settings, strategies as st
 
 from magi_moe.audit.isolation import POISONS, ROUTE_MODES
+from magi_moe.backends import plain_twin
 from magi_moe.implementation import CAPABILITIES
 
 from . import profiles
@@ -290,7 +291,7 @@ def pytest_rows(config) -> list:
     for prop in PROPERTIES.values():
         if prop.on is ON_ROUTERS:
             for target in router_targets(backends):
-                marks = [getattr(pytest.mark, target.backend.name)] if target.backend.name != "cpu" else []
+                marks = [getattr(pytest.mark, target.backend.name)] if target.backend.marker else []
                 why = target.skip_reason()
                 if why:
                     marks.append(pytest.mark.skip(reason=why))
@@ -326,8 +327,9 @@ def pytest_target(subject, prop: str | Property):
             pytest.skip(why)
         return subject
     target = P.target_for(subject)
-    if target.backend.name == "interpret" and target.impl.plain_pytorch:
-        pytest.skip(f"{target.impl.name} runs no Triton kernel: @interpret would repeat @cpu")
+    twin = plain_twin(target.backend)
+    if twin is not None and twin.name != target.backend.name and target.impl.plain_pytorch:
+        pytest.skip(f"{target.impl.name} runs no Triton kernel: @{target.backend.name} would repeat @{twin.name}")
     why = target.skip_reason(prop.needs)
     if why:
         pytest.skip(why)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 import magi_moe
+from magi_moe.backends import BACKENDS, get_backend
 from magi_moe.routing import RouteTable, validate_route_table
 
 from .cases import (ExpertCase, HugeCase, RoutingSpec, ValueSpec, build_problem, case_from_dict,
@@ -168,14 +169,10 @@ class IsolatedResult:
 
 
 def child_env(backend: str) -> dict[str, str]:
-    """The environment of a child that runs ``backend``: the interpreter flag is set (or cleared)
-    before anything imports Triton kernels, and the checkout is importable, and so is the
+    """The environment of a child that runs ``backend``: its variables set, the other backends'
+    cleared (``TRITON_INTERPRET``) before anything imports Triton kernels, and the checkout is importable, and so is the
     current directory (where ``--impl package.module:attr`` was named; the child runs elsewhere)."""
-    env = dict(os.environ)
-    if backend == "interpret":
-        env["TRITON_INTERPRET"] = "1"
-    else:
-        env.pop("TRITON_INTERPRET", None)
+    env = get_backend(backend).child_env()
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(filter(None, [str(REPO_ROOT), os.getcwd(),
                                                                      env.get("PYTHONPATH")])))
     return env
@@ -187,7 +184,7 @@ def run_isolated(case: HugeCase, *, backend: str, impl: str, mode: str = "launch
     default :func:`fuzz.child.default_memory_cap`) and a time limit, and report how it ended
     (``end``): a wild read (SIGSEGV from an int32 offset), memory, a timeout, or its result."""
     cmd = [sys.executable, "-m", "magi_moe.fuzz.huge", "--case", dumps(case_to_dict(case)),
-           "--device", "cuda" if backend == "cuda" else "cpu", "--impl", impl, "--mode", mode]
+           "--device", get_backend(backend).device, "--impl", impl, "--mode", mode]
     run = run_capped(cmd, env=child_env(backend), cwd=REPO_ROOT, timeout=timeout,
                      memory_cap=memory_cap)
     result = None
@@ -202,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fuzz.huge",
                                      description="Run one huge-token case (a child of the fuzzer).")
     parser.add_argument("--case", required=True, help="HugeCase JSON")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    devices = tuple(dict.fromkeys(b.device for b in BACKENDS.values()))  # cpu, cuda
+    parser.add_argument("--device", default="cpu", choices=devices)
     parser.add_argument("--impl", required=True,
                         help="implementation: a registered name or package.module:attr")
     parser.add_argument("--mode", default="launcher", choices=("launcher", "forward"),

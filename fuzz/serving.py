@@ -34,6 +34,7 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
+from magi_moe.backends import get_backend, plain_twin
 from magi_moe.config import MoEConfig
 from magi_moe.implementation import Implementation
 from magi_moe.problems import Problem, random_problem, run_poisoned
@@ -411,8 +412,9 @@ def layer_judged_elsewhere(impl: Implementation, backend: str) -> str | None:
     entry's streams still run."""
     from magi_moe.impls import BUILTINS
 
-    if impl in BUILTINS and impl.layer_forward is None and backend == "interpret":
-        return "the generic MagiMoE layer is judged at reference@cpu"
+    twin = plain_twin(get_backend(backend))
+    if impl in BUILTINS and impl.layer_forward is None and twin is not None and twin.name != backend:
+        return f"the generic MagiMoE layer is judged at reference@{twin.name}"
     return None
 
 

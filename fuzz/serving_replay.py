@@ -8,6 +8,7 @@ import os
 import sys
 
 from magi_moe.arguments import OneLineParser
+from magi_moe.backends import kernels_backend_on
 
 REPLAY_UNAVAILABLE = 3  # as fuzz.record's
 
@@ -29,8 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"RECORD must be the record's JSON, got {args.record[:80]!r} ({exc})")
     if not isinstance(record, dict):
         parser.error(f"RECORD must be a JSON object, got {type(record).__name__}")
-    if record.get("device", "cpu") == "cpu" and "TRITON_INTERPRET" not in os.environ:
-        os.environ["TRITON_INTERPRET"] = "1"  # kernels on the CPU: before any kernel import
+    kernels = kernels_backend_on(record.get("device", "cpu"))  # on the CPU, the interpreter
+    if kernels and not any(v.partition("=")[0] in os.environ for v in kernels.process_env):
+        kernels.enable_here()  # unless set either way already: before any kernel import
     from .serving import drive, machine_for
 
     try:

@@ -290,9 +290,11 @@ class Implementation:
 
     @property
     def plain_pytorch(self) -> bool:
-        """Declares the ``cpu`` backend, so it runs plain PyTorch, no Triton kernel: on the
-        interpreter it would repeat its ``cpu`` row, and on a GPU it needs no Triton."""
-        return "cpu" in self.backends
+        """Declares a backend that runs no Triton (``cpu``), so it runs plain PyTorch, no Triton
+        kernel: on the interpreter it would repeat its ``cpu`` row, and on a GPU it needs no Triton."""
+        from .backends import BACKENDS
+
+        return any(name in BACKENDS and not BACKENDS[name].runs_triton for name in self.backends)
 
     def output_dtype(self, input_dtype: torch.dtype) -> torch.dtype:
         return torch.float64 if self.is_oracle else input_dtype
@@ -324,10 +326,14 @@ class Implementation:
         """The backend that runs this implementation on tensors on ``device``: a GPU's own
         (``cuda``); on a CPU, plain PyTorch (``cpu``) where declared, else the Triton
         interpreter where declared."""
+        from .backends import backends_on
+
         device = torch.device(device)
-        if device.type == "cpu" and not self.plain_pytorch and "interpret" in self.backends:
-            return "interpret"
-        return device.type
+        here = backends_on(device.type)  # fastest first
+        if not here:
+            return device.type
+        ranked = sorted(here, key=lambda b: not (self.plain_pytorch and b.runs_plain_pytorch))
+        return next((b.name for b in ranked if b.name in self.backends), here[0].name)
 
     def skip_reason(self, where: "Backend | str | torch.device", dtype: torch.dtype | None = None,
                     needs: tuple[str, ...] = ()) -> str | None:
@@ -343,17 +349,16 @@ class Implementation:
         The reason is a :class:`~magi_moe.verdict.SkipReason` carrying its kind for the verdict:
         a capability in ``needs`` not declared is NOT DECLARED, a dtype not declared UNSUPPORTED,
         a backend not declared or not usable here NOT RUN."""
-        from .backends import BACKENDS, triton_installed
+        from .backends import BACKENDS
 
         if isinstance(where, torch.device):
             name = self.backend_on(where)
             if name not in self.backends:
                 return not_run(f"{self.name} does not declare backend {name}")
-            if name == "cuda":
-                gpu_ready = self.plain_pytorch or triton_installed()
-                why = None if gpu_ready else "backend cuda unavailable: triton is not installed"
-            else:
-                why = BACKENDS[name].skip_reason()
+            backend = BACKENDS[name]
+            # the device holds the tensors, so it exists: what is left is the backend's toolchain
+            plain_here = self.plain_pytorch and backend.runs_plain_pytorch
+            why = None if plain_here else backend.skip_reason_on_its_tensors()
         else:
             backend = BACKENDS[where] if isinstance(where, str) else where
             if backend.name not in self.backends:

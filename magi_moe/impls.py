@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from .backends import BACKENDS
 from .implementation import Implementation, RowLauncher
 from .reference import expert_reference
 from .validation import check_out
 
 # Plain PyTorch runs the same code on "cpu" and "interpret" (the interpreter runs Triton kernels):
 # declared on both, every conformance row of reference and torch-bf16 ran twice on the CPU.
-TORCH_BACKENDS = ("cpu", "cuda")
-TRITON_BACKENDS = ("interpret", "cuda")
+TORCH_BACKENDS = tuple(b.name for b in BACKENDS.values() if b.runs_plain_pytorch)
+TRITON_BACKENDS = tuple(b.name for b in BACKENDS.values() if b.runs_triton)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

@@ -6,6 +6,7 @@ from typing import Literal, Mapping
 import torch
 from torch import nn
 
+from .backends import backends_on
 from .checkpoint import check_state_dict
 from .config import PARAM_DTYPES, MoEConfig
 from .dispatch import choose_implementation
@@ -300,9 +301,10 @@ def _check_runs_here(impl: Implementation, x: torch.Tensor) -> None:
     driver). Dispatch never picks one that cannot."""
     device = x.device
     if impl.skip_reason(device):
-        hint = (" (its Triton kernels run on a CPU only under TRITON_INTERPRET=1, set before "
-                "importing magi_moe; impl='reference' runs anywhere)"
-                if device.type == "cpu" and "interpret" in impl.backends else "")
+        enabling = [b.env_prefix().strip() for b in backends_on(device.type)
+                    if b.process_env and b.name in impl.backends]
+        hint = (f" (its Triton kernels run on a {device.type.upper()} only under {enabling[0]}, set "
+                "before importing magi_moe; impl='reference' runs anywhere)" if enabling else "")
         raise ValueError(f"impl: {impl.name!r} runs on the backends {impl.backends}, not on "
                          f"device {device}{hint}")
 

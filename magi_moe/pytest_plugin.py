@@ -110,8 +110,9 @@ def pytest_configure(config):
                                        "dtypes among these")
     config.addinivalue_line("markers", "backends(*names): run the implementation matrix on these "
                                        "backends only")
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skips cleanly without one)")
-    config.addinivalue_line("markers", "interpret: runs Triton kernels under the CPU interpreter")
+    for backend in BACKENDS.values():
+        if backend.marker:
+            config.addinivalue_line("markers", f"{backend.name}: {backend.marker}")
     # The suite's own markers, for the installed tests (a checkout's pyproject.toml has them too).
     config.addinivalue_line("markers", "slow: tens of seconds each; -m 'not slow' is the quick run")
     config.addinivalue_line("markers", "serial: needs the GPU's memory to itself (run without xdist)")
@@ -183,7 +184,7 @@ def impl_backend_params(config, *, needs: tuple[str, ...] = (), kernels_only: bo
             if backend.name not in impl.backends or backends and backend.name not in backends:
                 continue
             pair = ImplOnBackend(impl, backend)
-            marks = [getattr(pytest.mark, backend.name)] if backend.name in ("cuda", "interpret") else []
+            marks = [getattr(pytest.mark, backend.name)] if backend.marker else []
             reason = impl.skip_reason(backend, needs=needs)
             if reason:
                 marks.append(pytest.mark.skip(reason=reason))
@@ -279,8 +280,7 @@ def repro_command(item, pair: ImplOnBackend) -> str:
     profile = config.getoption("--hypothesis-profile", default=None)
     if profile:
         parts += ["--hypothesis-profile", profile]
-    prefix = "TRITON_INTERPRET=1 " if pair.backend.name == "interpret" else ""
-    return prefix + " ".join(shlex.quote(p) for p in parts)
+    return pair.backend.env_prefix() + " ".join(shlex.quote(p) for p in parts)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -363,7 +363,7 @@ class Tally:
         """A whole run (no --impl, no --backend) in which no Triton kernel ran: every row of the
         backends that run them was skipped as unavailable (interpreter off, no GPU)."""
         def backend(o): return o.subject.rpartition("@")[2]
-        kernel_rows = [o for o in self.outcomes if backend(o) in ("interpret", "cuda")]
+        kernel_rows = [o for o in self.outcomes if getattr(BACKENDS.get(backend(o)), "runs_triton", False)]
         if not kernel_rows or any(o.status is not V.Status.SKIP for o in kernel_rows):
             return []
         reasons = Counter(o.detail for o in kernel_rows)

@@ -38,9 +38,9 @@ def main(argv: list[str]) -> int:
     if unknown:
         parser.error(f"--backend must be one of {sorted(BACKENDS)}, got {unknown[0]!r}")
     env = dict(os.environ)
-    if "interpret" in args.backend:
-        env["TRITON_INTERPRET"] = "1"
-        os.environ["TRITON_INTERPRET"] = "1"  # before the check below imports any kernel
+    for name in args.backend:
+        BACKENDS[name].enable_here(env)
+        BACKENDS[name].enable_here()  # before the check below imports any kernel
     why = refuse_bad_impl(args.impl)
     if why:
         print(f"magi-moe check: {why}", file=sys.stderr)

@@ -40,7 +40,7 @@ def test_implementation_within_bounds(impl_backend, impl_dtype, probe):
     under its declared model."""
     impl, backend = impl_backend.impl, impl_backend.backend
     # The interpreter pays per program: the tiny preset keeps kernel runs well under a second.
-    cfg = preset("tiny") if backend.runs_triton and backend.name != "cuda" else preset("small")
+    cfg = preset("tiny") if backend.runs_triton and backend.small_audit_inputs else preset("small")
     problem = probe_problem(probe, impl.fit(cfg, impl_dtype), 64, seed=3,
                             device=impl_backend.device)
     v = judge(run_poisoned(impl, problem), problem, impl)

@@ -23,7 +23,7 @@ from magi_moe.fuzz.cases import HugeCase, TieCase, case_from_dict, first_overflo
 from magi_moe.fuzz.properties import check_huge_offsets, make_target
 from magi_moe.fuzz.record import PropertyViolation
 from magi_moe.fuzz.stateful import weight_swap_machine
-from magi_moe.backends import triton_installed
+from magi_moe.backends import BACKENDS, triton_installed
 from magi_moe.config import preset
 from magi_moe.tests import fuzz_broken as broken
 from magi_moe.tests.exception_chains import chain_text
@@ -85,7 +85,7 @@ def _rerun(prop: fuzzers.Property, record: dict) -> dict:
 @pytest.mark.parametrize("name", list(CATCHES))
 def test_each_property_catches_its_broken_variant(name):
     prop, catch = fuzzers.PROPERTIES[name], CATCHES[name]
-    if catch.backend == "interpret" and not triton_installed():
+    if BACKENDS[catch.backend].runs_triton and not triton_installed():
         pytest.skip("triton is not installed")
     with pytest.raises(PropertyViolation, match=catch.says) as caught:
         fuzzers.search(prop, prop.on.load(catch.broken, catch.backend), settings=quick(catch.examples))

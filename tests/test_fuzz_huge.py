@@ -69,7 +69,7 @@ def test_layer_past_int32_offsets(impl_backend):
     from magi_moe.audit.cache import draw_state
     from magi_moe.audit.graphs import fresh
 
-    if impl_backend is None or impl_backend.backend.name != "cuda":
+    if impl_backend is None or impl_backend.backend.device != "cuda":
         pytest.skip("needs real memory for a 4.3 GB input: the cuda backend")
     impl = impl_backend.impl
     cfg = preset("magi2-full").replace(num_experts=4, top_k=2)

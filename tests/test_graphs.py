@@ -26,7 +26,7 @@ def test_layer_keeps_its_graph_promises(impl_backend, route):
     is right. A forward that cannot be captured at all is not a failure (audit: info), except
     for magi-moe's own fused layer, which is also held to the promise docs/PLUGGING_IN.md
     states."""
-    if impl_backend is None or impl_backend.backend.name != "cuda":
+    if impl_backend is None or impl_backend.backend.device != "cuda":
         pytest.skip("CUDA graphs need the cuda backend")
     impl = impl_backend.impl
     results = audit_graph_replay(impl.layer, impl.fit(preset("small")), device="cuda",

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("triton", reason="needs triton (the [triton] extra)")
 
 import magi_moe.kernels.native as native
-from magi_moe.backends import get_backend
+from magi_moe.backends import by_speed
 from magi_moe.fuzz.child import run_capped
 from magi_moe.config import preset
 from magi_moe.problems import random_problem, run_poisoned
@@ -49,9 +49,9 @@ def write_mutant(tmp_path: pathlib.Path, name: str, original: str, mutated: str)
 
 
 def kernel_backend():
-    for name in ("cuda", "interpret"):
-        if get_backend(name).available:
-            return get_backend(name)
+    for backend in by_speed():
+        if backend.runs_triton and backend.available:
+            return backend
     pytest.skip("no Triton backend here (set TRITON_INTERPRET=1 or use a GPU)")
 
 

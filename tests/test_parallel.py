@@ -212,7 +212,7 @@ def test_every_rank_on_one_device_equals_one_process_bitwise(case, backend):
     from magi_moe.debug import poison_workspaces
 
     cfg, Dh = case.config, case.config.head_dim
-    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    device = torch.device(BACKENDS[backend].device)
     impl = get_implementation(case.impl)
     assert impl.deterministic, "the bitwise promise is made for deterministic implementations"
     ckpt = {k: v.to(device) for k, v in make_checkpoint(cfg, case.seed).items()}

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, Phase, settings
 from magi_moe.audit.cache import draw_state
 from magi_moe.audit.isolation import (ROUTE_MODES, check_layer_row_isolation, check_row_isolation,
                                       poisoned_rows)
+from magi_moe.backends import BACKENDS
 from magi_moe.config import preset
 from magi_moe.fuzz import fuzzers
 from magi_moe.fuzz.properties import make_target
@@ -122,7 +123,7 @@ class _Audit:
     """What the isolation section reads of a running audit: the CPU, some implementations."""
 
     def __init__(self, *impls):
-        self.impls, self.device = impls, torch.device("cpu")
+        self.impls, self.backend, self.device = impls, BACKENDS["cpu"], torch.device("cpu")
         self.options = type("Options", (), {"seed": 0})()
 
     def selected_impls(self):

@@ -14,6 +14,7 @@ import pytest
 
 from magi_moe.audit.cache import (NOT_APPLICABLE, ROUTES, SKIPPED, WRONG_BEFORE_ANY_CHANGE,
                                   audit_weight_cache)
+from magi_moe.backends import BACKENDS
 from magi_moe.config import preset
 from magi_moe.impls import BUILTINS
 from magi_moe.tests.layer_wrong_first import layer_wrong_from_the_start
@@ -26,7 +27,7 @@ def _judged_elsewhere(impl, backend: str) -> str | None:
     cheaper rows already: the kernels without a cache run in the same generic MagiMoE as the
     reference (judged at reference@cpu), and the fused layer's cache follows every route in
     tests/test_packed_weights.py (and in the audit's cache section)."""
-    if impl not in BUILTINS or backend != "interpret":
+    if impl not in BUILTINS or BACKENDS[backend].runs_plain_pytorch:  # the reference runs here too
         return None
     if "weight_cache" in impl.capabilities:
         return "the fused layer's cache is judged on every route by tests/test_packed_weights.py"

@@ -23,12 +23,10 @@ SECTION = "determinism"
 
 def run(audit: Audit) -> Iterator[Row]:
     o = audit.options
-    if audit.device.type == "cuda":
-        problem = audit.main_problem()
-        runs = o.determinism_runs or 20
-    else:  # the interpreter runs programs one after another: a small input shows as much
-        problem = probe_problem("random", preset("tiny"), 64, seed=o.seed)
-        runs = o.determinism_runs or 3
+    runs = o.determinism_runs or audit.backend.audit_determinism_runs
+    # the interpreter runs programs one after another: a small input shows as much
+    problem = (probe_problem("random", preset("tiny"), 64, seed=o.seed) if audit.backend.small_audit_inputs
+               else audit.main_problem())
     for impl in audit.selected_impls():
         config = impl.shapes.nearest(problem.config)  # inside the declared shapes
         why = audit.runnable_here(impl) or impl.supports(config)

@@ -14,7 +14,7 @@ def layer_config(audit: Audit, impl) -> tuple[MoEConfig | None, str | None]:
     """``(config, why not)``: the smallest preset ``impl`` supports that its layer is built at
     here, or the reason it cannot run. Layer checks do not depend on the shape; production
     layers would cost seconds each to draw, and interpreted kernels pay per operation."""
-    sizes = ("small", "tiny") if audit.device.type == "cuda" else ("tiny", "small")
+    sizes = ("tiny", "small") if audit.backend.small_audit_inputs else ("small", "tiny")
     config = next((preset(n) for n in sizes if impl.supports(preset(n)) is None), None)
     if config is None:  # a narrow shape rule: the smallest preset moved inside it, as check does
         config = fitted(impl, preset(sizes[0]))

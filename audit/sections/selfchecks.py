@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 def selfcheck(audit: Audit) -> Iterator[Row]:
     backend = audit.backend
-    if backend.name == "cpu" and get_backend("interpret").available:
-        backend = get_backend("interpret")
+    if backend.audits_kernels_on and get_backend(backend.audits_kernels_on).available:
+        backend = get_backend(backend.audits_kernels_on)
     for c in run_selfcheck(backend, seed=audit.options.seed):
         yield Row("selfcheck", f"{backend.name}: {c.name}", c.status, c.detail, impl=SUITE)
 
