@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import MoEConfig
-from .validation import check_contiguous, check_same_device, check_tensor
+from .validation import check_contiguous, check_index_range, check_same_device, check_tensor
 
 NORM_EPS = 1e-12  # F.normalize's eps for the L1 route normalisation
 
@@ -149,8 +149,7 @@ class RouteTable:
             raise TypeError(f"keep must be a boolean mask or an integer index tensor, got {keep.dtype}")
         if keep.numel():
             lo, hi = torch.stack([keep.min(), keep.max()]).tolist()
-            if lo < 0 or hi >= R:
-                raise ValueError(f"keep as indices must lie in [0, {R}), got values in [{lo}, {hi}]")
+            check_index_range("keep as indices", lo, hi, R)
         mask = torch.zeros(R, dtype=torch.bool, device=device)
         mask[keep.long()] = True
         return mask
@@ -277,9 +276,7 @@ def check_routes(routes: Routes, config: MoEConfig) -> None:
     lo, hi, repeats = torch.stack([
         ids.min(), ids.max(), (ranked[..., 1:] == ranked[..., :-1]).sum(),
     ]).tolist()
-    if lo < 0 or hi >= E:
-        raise ValueError(f"routes.expert_ids must lie in [0, {E}) (experts of one head), "
-                         f"got values in [{lo}, {hi}]")
+    check_index_range("routes.expert_ids", lo, hi, E, "experts of one head")
     if repeats:
         raise ValueError(f"routes.expert_ids must name {K} distinct experts for every token and "
                          f"head, found {repeats} repeated choice(s)")
@@ -382,12 +379,8 @@ def validate_route_table(table: RouteTable, config: MoEConfig, *, num_tokens: in
     if not R:
         return
     lo, hi, slot_lo, slot_hi, repeated, wrong_head, wrong_token, non_finite = values[3:]
-    if lo < 0 or hi >= S:
-        raise ValueError(f"table.gather_ids must lie in [0, {S}), got values in [{lo}, {hi}]")
-    n_slots = S * H * K
-    if slot_lo < 0 or slot_hi >= n_slots:
-        raise ValueError(f"table.route_slots must lie in [0, {n_slots}), "
-                         f"got values in [{slot_lo}, {slot_hi}]")
+    check_index_range("table.gather_ids", lo, hi, S)
+    check_index_range("table.route_slots", slot_lo, slot_hi, S * H * K)
     if repeated:
         raise ValueError(f"table.route_slots must be distinct: {repeated} route(s) share an "
                          f"output slot with another")

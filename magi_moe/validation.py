@@ -108,6 +108,15 @@ def check_finite(name: str, value: torch.Tensor) -> None:
         raise ValueError(f"{name} must be finite, found {bad} non-finite element(s)")
 
 
+def check_index_range(name: str, lo: int, hi: int, size: int, what: str = "") -> None:
+    """Index values within ``[0, size)``, given their smallest ``lo`` and largest ``hi`` (the
+    caller reads them from the device with its other figures, in one sync). ``what`` says what
+    the range holds."""
+    if lo < 0 or hi >= size:
+        held = f" ({what})" if what else ""
+        raise ValueError(f"{name} must lie in [0, {size}){held}, got values in [{lo}, {hi}]")
+
+
 def check_same_device(**tensors: torch.Tensor) -> torch.device:
     devices = {name: t.device for name, t in tensors.items()}
     first = next(iter(devices.values()))
