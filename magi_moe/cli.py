@@ -81,8 +81,9 @@ def example(argv: list[str]) -> int:
 
 def installed_commands() -> dict[str, EntryPoint]:
     """The suite's commands that the installed distribution declares, by name (none where
-    magi_moe is not installed: a bare checkout on ``PYTHONPATH``, see scripts/wheel_view.sh)."""
-    return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
+    magi_moe is not installed: a bare checkout on ``PYTHONPATH``, see scripts/wheel_view.py),
+    in name order (the metadata's own order differs between an editable and a wheel install)."""
+    return {ep.name: ep for ep in sorted(entry_points(group=COMMAND_GROUP), key=lambda ep: ep.name)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,7 +66,7 @@ def refused(capsys, run) -> str:
 
 def test_an_unknown_command_is_named(capsys):
     line = refused(capsys, lambda: cli.main(["nope"]))
-    assert "'nope'" in line and "audit, fuzz, check" in line
+    assert "'nope'" in line and "audit, check, fuzz, example" in line
 
 
 @pytest.mark.parametrize("impl, says", [
