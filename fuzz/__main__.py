@@ -99,16 +99,20 @@ def replay_main(argv: list[str]) -> int:
 
 def list_main(argv: list[str]) -> int:
     parser = OneLineParser(prog=f"{program_name()} list",
-                           description="The properties a campaign can run (--properties): "
-                                       "the records of fuzz.fuzzers.PROPERTIES.")
+                           description="What a campaign can run (--properties): the records of "
+                                       "fuzz.fuzzers.PROPERTIES, then the state machines.")
     parser.parse_args(argv)
     from magi_moe.text_tables import format_table
 
+    from .campaign import machine_records
     from .fuzzers import PROPERTIES
     rows = [[p.name, p.on.name + (" (kernels only)" if p.kernels_only else ""), ", ".join(p.needs),
              f"{p.examples:g}", p.summary] for p in PROPERTIES.values()]
     print(format_table(["property", "runs on", "needs", "share of examples", "checks"], rows,
                        numeric_columns=(3,)))
+    machines = [[m["name"], m["clause"], ", ".join(m["needs"]), m["summary"]] for m in machine_records()]
+    print()
+    print(format_table(["state machine", "clause", "needs", "checks"], machines))
     return 0
 
 

@@ -38,9 +38,12 @@ def _record_clause(failure: dict) -> str:
 
 
 def campaign_outcomes(summary: dict, stats: dict[str, dict]) -> list[Outcome]:
-    """The campaign's outcomes: ``summary`` as :func:`fuzz.campaign._summary` builds it, ``stats``
-    each target's statistics by node id (its ``clause`` and ``subject``)."""
+    """The campaign's outcomes: ``summary`` as :func:`fuzz.campaign._summary` builds it (or
+    :func:`fuzz.merge.merge_summaries`), ``stats`` each target's statistics by node id (its
+    ``clause`` and ``subject``; else the summary row's own)."""
     backend = summary.get("backend", "?")
+    if isinstance(backend, list):  # a merged summary lists every machine's backend
+        backend = ",".join(backend) or "?"
     by_node: dict[str, list[dict]] = {}
     for failure in summary.get("failures", []):
         by_node.setdefault(failure.get("nodeid") or "", []).append(failure)
@@ -48,8 +51,8 @@ def campaign_outcomes(summary: dict, stats: dict[str, dict]) -> list[Outcome]:
     for row in summary.get("targets", []):
         node = row["target"]
         info = stats.get(node, {})
-        subject = info.get("subject") or f"{row.get('impl') or '?'}@{backend}"
-        clause = info.get("clause") or _record_clause(row)
+        subject = info.get("subject") or row.get("subject") or f"{row.get('impl') or '?'}@{backend}"
+        clause = info.get("clause") or row.get("clause") or _record_clause(row)
         failures = by_node.pop(node, [])
         if failures:
             first = failures[0]

@@ -291,7 +291,11 @@ def test_each_implementation_set_has_its_own_directory_database(tmp_path):
     assert db([]) == str(tmp_path / "db" / "all-declared")
     assert db(["a", "b"]) == db(["b", "a"])
     assert db(["team:GOOD"], shared=True) == str(tmp_path / "db")
-    assert db(["x"], spec="redis://host:6379/0") == "redis://host:6379/0"  # shared by design
+    # Redis: one namespace per implementation set (key prefix and local half), as the directory
+    assert db(["team:GOOD"], spec="redis://host:6379/0") == "redis://host:6379/0#team_GOOD"
+    assert db(["team:GOOD"], spec="redis://host:6379/0") != db(["team:BUGGY"], spec="redis://host:6379/0")
+    assert db(["x"], spec="redis://host:6379/0", shared=True) == "redis://host:6379/0"
+    assert db(["x"], spec="redis://host:6379/0#nightly") == "redis://host:6379/0#nightly"  # named: as given
 
 
 def _campaign_summary():
@@ -472,3 +476,7 @@ def test_a_skip_before_a_stop_still_reads_as_a_skip(tmp_path):
     assert row["outcome"] == "skipped" and row["impl"] == "team-good" and summary["targets_without_time"] == []
     rows = verdict_rows(campaign_outcomes(summary, json.loads((tmp_path / "targets.json").read_text())["rows"]))
     assert [(r.clause.name, r.status) for r in rows["team-good@cpu"]] == [("determinism", NOT_DECLARED)]
+    # the summary row names its clause and subject, so a merge of summaries alone folds the same verdict
+    assert (row["clause"], row["subject"]) == ("determinism", "team-good@cpu")
+    assert [(r.clause.name, r.status) for r in verdict_rows(campaign_outcomes(summary, {}))["team-good@cpu"]] \
+        == [("determinism", NOT_DECLARED)]

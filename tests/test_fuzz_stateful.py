@@ -36,6 +36,8 @@ if snapshot_cache_layer is not None:
 @pytest.mark.needs("weight_cache")
 @pytest.mark.clause("weight-swaps")
 def test_weight_swaps(impl_backend):
+    """Every way weights change (CONTRACT section 5) in random order on the implementation's own
+    layer, each forward against the float64 reference of the current weights."""
     target = fuzzers.pytest_target(impl_backend, "differential")
     machine = weight_swap_machine(layer_factory_for(target.impl), config=CONFIG, device=target.device,
                                   packed=PACKED.get(target.impl.name, EXPERT_PARAMS))
