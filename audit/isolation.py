@@ -127,11 +127,16 @@ class IsolationResult:
     ok: bool
     text: str
     ratio: float = float("nan")  # the judge's error / bound on the clean rows
+    # Set when the clean rows fail the judge without any poisoned row too: the accuracy judge's
+    # failure (audit.judge.Inaccurate), so that the verdict counts the case under accuracy
+    inaccurate: BaseException | None = None
 
 
 def _judge_rows(out_rows: torch.Tensor, kept: torch.Tensor, clean: Problem, impl: Implementation | str,
-                what: str, failure_probability: float) -> IsolationResult:
-    """Judge the clean rows ``out_rows`` (the tokens ``kept`` of the poisoned call)."""
+                what: str, failure_probability: float, alone=None) -> IsolationResult:
+    """Judge the clean rows ``out_rows`` (the tokens ``kept`` of the poisoned call). ``alone()``
+    computes the clean rows with no poisoned row at all, asked only when finite rows fail the
+    judge: if those fail too, the implementation is inaccurate here, which no poison caused."""
     bad = ~torch.isfinite(out_rows)
     if bool(bad.any()):
         r, c = bad.nonzero()[0].tolist()
@@ -140,6 +145,11 @@ def _judge_rows(out_rows: torch.Tensor, kept: torch.Tensor, clean: Problem, impl
                                       f"{float(out_rows[r, c])}")
     verdict = judge(out_rows, clean, impl, failure_probability=failure_probability)
     if not verdict.ok:
+        without = judge(alone(), clean, impl, failure_probability=failure_probability) if alone else None
+        if without is not None and not without.ok:
+            return IsolationResult(False, f"{what}: clean rows differ from the reference, and so do "
+                                          f"they computed with no poisoned row at all (inaccurate, not "
+                                          f"a leak): {without.text}", verdict.ratio, without.failure())
         return IsolationResult(False, f"{what}: clean rows differ from the reference without the "
                                       f"poisoned rows: {verdict.text}", verdict.ratio)
     return IsolationResult(True, f"{what}: clean rows within the judge ({verdict.text})", verdict.ratio)
@@ -154,7 +164,8 @@ def check_row_isolation(impl: Implementation, problem: Problem, rows: torch.Tens
     poisoned, clean, kept = isolation_problems(problem, rows, poison, mode, seed=seed)
     out = run_poisoned(impl, poisoned)
     what = f"{impl.name}: {int(rows.sum())} of {problem.num_tokens} rows {poison}, routes {mode}"
-    return _judge_rows(out[kept], kept, clean, impl, what, failure_probability)
+    return _judge_rows(out[kept], kept, clean, impl, what, failure_probability,
+                       alone=lambda: run_poisoned(impl, clean))
 
 
 def check_layer_row_isolation(impl: Implementation, config, state: dict, x: torch.Tensor,
@@ -182,7 +193,11 @@ def check_layer_row_isolation(impl: Implementation, config, state: dict, x: torc
     # a layer returns x's dtype: the oracle's layer rounds its float64 result once, which the
     # plain model (the cache audit's) bounds
     model = impl if y.dtype == impl.output_dtype(x.dtype) else FRESHNESS_MODEL
-    return _judge_rows(y[kept], kept, clean, model, what, failure_probability)
+    def alone():
+        with torch.no_grad():
+            return layer(x_clean)
+
+    return _judge_rows(y[kept], kept, clean, model, what, failure_probability, alone=alone)
 
 
 def _weights(state: dict, config):

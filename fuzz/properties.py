@@ -489,6 +489,8 @@ def check_row_isolation(target: Target, case: ExpertCase, *, poison: str, routes
             raise ValueError(f"invalid case: {exc} ({record['case']})") from None
         _push(result.ratio, "row-isolation error/bound")
         _note(result.text)
+        if not result.ok and result.inaccurate is not None:  # wrong with no poison too: accuracy's
+            raise PropertyViolation(f"the clean rows are inaccurate: {result.text}", record) from result.inaccurate
         if not result.ok:
             raise PropertyViolation(f"a poisoned row reached another token: {result.text}", record)
         return {"ratio": result.ratio, "poisoned_rows": int(rows.sum())}

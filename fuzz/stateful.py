@@ -54,6 +54,7 @@ from magi_moe.config import MoEConfig
 from magi_moe.implementation import Implementation
 from magi_moe.problems import Problem
 from magi_moe.routing import build_route_table, route
+from magi_moe.verdict import LayerWrongFromTheStart
 from magi_moe.weights import ExpertWeights
 
 from .tolerance import CAMPAIGN_FAILURE_PROBABILITY
@@ -177,6 +178,7 @@ class WeightSwapMachine(RuleBasedStateMachine):
         missing = [n for n in ALL_TENSORS if n not in self.layer.state_dict()]
         assert not missing, f"layer.state_dict() lacks the released names {missing}"
         self.changed: list[str] = ["built from a state dict"]
+        self.forwards = 0  # judged calls so far: a failing first one is the layer's, not its history's
         self.invalidated, self.packed_changed = False, True
         self.last_packs = self._packs()
         note(f"layer {type(self.layer).__name__} via {self.factory_name}, {self.config.describe()}, "
@@ -392,6 +394,12 @@ class WeightSwapMachine(RuleBasedStateMachine):
         verdict = judge_on_state(y, x, self.layer.state_dict(), self.config, self.precision, rows=rows)
         since = ", ".join(self.changed) or "nothing"
         note(f"{what}: ratio {verdict.ratio:.3f}, packs {self.last_packs} -> {packs}")
+        if not verdict.ok and self.forwards == 0 and self.changed == ["built from a state dict"]:
+            # The first call on the weights the layer was built with: no change and no earlier
+            # call to blame, so the layer is simply wrong (the verdict counts it under accuracy).
+            raise LayerWrongFromTheStart(f"{what}, the layer's first call, does not match the "
+                                         f"reference on the weights it was built with: {verdict.text}")
+        self.forwards += 1
         assert verdict.ok, (f"{what} after [{since}] does not match the reference on the current "
                             f"weights (stale weights?): {verdict.text}")
         if packs is not None and self.last_packs is not None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from magi_moe.problems import random_problem
+from magi_moe.verdict import cause_of
 
 from ..cache import draw_state
 from ..isolation import ROUTE_MODES, check_layer_row_isolation, check_row_isolation, poisoned_rows
@@ -48,4 +49,4 @@ def _row(impl: str, subject: str, check) -> Row:
     except Exception as exc:  # noqa: BLE001 -- reported, the audit goes on
         return Row(SECTION, subject, FAIL, f"raised {type(exc).__name__}: {exc}", impl=impl)
     return Row(SECTION, subject, PASS if result.ok else FAIL, result.text.splitlines()[0],
-               {"ratio": result.ratio}, impl=impl)
+               {"ratio": result.ratio}, impl=impl, cause=cause_of(result.inaccurate))
