@@ -622,6 +622,7 @@ def _summary(args, *, backend: str, seed: int, start: float, returncode: int, ou
                            "clause": s.get("clause"), "subject": s.get("subject"),  # the verdict's row
                            "outcome": test.get("outcome", "not run"), "rounds": s.get("rounds", 0),
                            "cases": s.get("cases", 0), "seconds": s.get("seconds", 0.0), "worker": s.get("worker"),
+                           "started": s.get("started"),  # seconds into the campaign; None: never started
                            "first_failure_case": s.get("first_failure_case"),
                            **({"reason": test["reason"]} if test.get("reason") else {}),
                            **({"skip_kind": skips[nodeid]["kind"]} if nodeid in skips else {})})
