@@ -5,7 +5,7 @@
     python -m fuzz --replay-only --db redis://host:6379/0 --backend interpret  # per commit: replay the nightly findings
     python -m fuzz replay '<record json>' | path/to/failure.json    # one case, exactly (exit 1: fails, 3: cannot run here)
     python -m fuzz rerun 'tests/test_fuzz_stateful.py::test_weight_swaps[fused@cpu]' --db DIR --backend cpu
-    python -m fuzz list                                              # the properties
+    python -m fuzz list                                              # the properties and state machines
     python -m fuzz merge machine-a/fuzz-out machine-b/fuzz-out --out merged   # one summary of N machines
 
 A campaign writes ``<out>/summary.json``, ``<out>/junit.xml``, ``<out>/failures/*.json`` (each

@@ -121,7 +121,7 @@ BACKEND_NAMES = ("cpu", "interpret", "cuda")  # magi_moe.backends.BACKENDS
 OTHER_COMMANDS = """other commands (each takes --help):
   python -m fuzz replay RECORD|FILE                  replay one recorded case exactly; exit 1 if it still fails
   python -m fuzz rerun NODEID --db DIR --backend B   replay a failing test node from a campaign's database
-  python -m fuzz list                                the properties a campaign can run (--properties)
+  python -m fuzz list                                what a campaign can run (--properties): properties, state machines
   python -m fuzz merge OUT... --out DIR              one summary.json from the campaigns of N machines"""
 
 
