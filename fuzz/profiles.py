@@ -119,14 +119,9 @@ def examples(fraction: float = 1.0, *, at_least: int = 2) -> settings:
     """``@settings`` for a test that costs more (or less) than the typical one: a ``fraction`` of
     the loaded profile's ``max_examples`` (of ci's when none of ours is loaded, so a plain
     ``pytest`` run stays short). Read when the test module is imported, which pytest does after
-    ``--hypothesis-profile`` has been applied. In a campaign round (the ``campaign`` profile)
-    ``at_least`` is one: the round's size is the campaign's to set, and its first round is one
-    example (a state machine that builds its settings when it runs, at least two, once made a
-    serving stream's first round overrun its share on a loaded machine)."""
+    ``--hypothesis-profile`` has been applied."""
     if not fraction > 0:
         raise ValueError(f"fraction must be > 0, got {fraction}")
-    if _current_profile() == "campaign":
-        at_least = 1
     ours = _current_profile() in SIZE_BUDGETS
     base = settings.default.max_examples if ours else settings.get_profile("ci").max_examples
     return settings(max_examples=max(at_least, round(base * fraction)))

@@ -78,17 +78,3 @@ def test_plain_pytest_has_no_deadline(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "1 passed" in done.stdout
-
-
-def test_a_campaign_round_of_one_example_runs_one_example_of_a_state_machine(restore_profile, monkeypatch):
-    """A state machine builds its settings from the loaded profile when it runs; in a campaign's
-    first round (one example) it once ran two, and a serving stream overran its share."""
-    monkeypatch.setitem(profiles.SIZE_BUDGETS, "campaign", 2.0)
-    settings.register_profile("campaign", max_examples=1)
-    settings.load_profile("campaign")
-    assert profiles.examples(0.25).max_examples == 1 and profiles.examples(0.5).max_examples == 1
-    settings.register_profile("campaign", max_examples=25)  # a later round: the fraction of it
-    settings.load_profile("campaign")
-    assert profiles.examples(0.25).max_examples == 6
-    settings.load_profile("ci")  # outside a campaign a test still gets at least two
-    assert profiles.examples(0.01).max_examples == 2
