@@ -449,6 +449,20 @@ def _rules(max_tokens: int, tokens: st.SearchStrategy[int] | None = None) -> dic
         "invalidate": invalidate, "forward": forward}
 
 
+def sweep_routes(machine: type, *, seed: int = 0, tokens: int = 4) -> None:
+    """Every route of :data:`CHANGES` once (on the expert weights in turn), each followed by a
+    forward judged on the current weights: the deterministic start of a weight-swap run. A
+    random run's first example is Hypothesis's simplest (no step), so a short campaign round
+    could end without one change judged, and pass a stale cache."""
+    state = machine()
+    state.build(seed)
+    try:
+        for i, how in enumerate(CHANGES):
+            state._change(how, EXPERT_PARAMS[i % len(EXPERT_PARAMS)], tokens)
+    finally:
+        state.teardown()
+
+
 def weight_swap_machine(layer, *, config: MoEConfig, device: str = "cpu", max_tokens: int = 24,
                         packed: tuple[str, ...] = EXPERT_PARAMS,
                         precision: str | None = None) -> type[WeightSwapMachine]:

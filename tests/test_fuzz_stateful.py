@@ -13,7 +13,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from magi_moe.fuzz import fuzzers, profiles
 from magi_moe.fuzz.stateful import (AUDIT_ROUTES, CHANGES, EXPERT_PARAMS, layer_factory_for,
-                           weight_swap_machine)
+                           sweep_routes, weight_swap_machine)
 from magi_moe.config import preset
 try:  # the toy caches live beside Triton kernels; the machine on an implementation's own layer
     from magi_moe.tests.fuzz_broken import snapshot_cache_layer  # (test_weight_swaps) needs none
@@ -41,6 +41,7 @@ def test_weight_swaps(impl_backend):
     target = fuzzers.pytest_target(impl_backend, "differential")
     machine = weight_swap_machine(layer_factory_for(target.impl), config=CONFIG, device=target.device,
                                   packed=PACKED.get(target.impl.name, EXPERT_PARAMS))
+    sweep_routes(machine)  # every route once, judged: whatever the round's size
     run_state_machine_as_test(machine, settings=weight_swap_settings())
 
 
@@ -124,3 +125,15 @@ def test_serving_stream(impl_backend, request):
     run_state_machine_as_test(serving_layer_machine(target.impl, config=config, device=device,
                                                     packed=PACKED.get(target.impl.name, EXPERT_PARAMS)),
                               settings=steps)
+
+
+
+def test_the_route_sweep_judges_a_stale_cache_whatever_the_round_size():
+    """A 90 s campaign once passed a layer whose packed cache was keyed on data_ptr(): its
+    weight-swap round ran four examples, the first Hypothesis's simplest (no step)."""
+    from magi_moe.tests import outside_broken
+
+    sweep_routes(weight_swap_machine(layer_factory_for(outside_broken.CONTENT_CHECKED_LAYER), config=CONFIG))
+    stale = weight_swap_machine(layer_factory_for(outside_broken.VERSION_KEYED_LAYER), config=CONFIG)
+    with pytest.raises(AssertionError, match="does not match the reference on the current weights"):
+        sweep_routes(stale)
