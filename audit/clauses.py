@@ -52,5 +52,5 @@ def audit_outcomes(rows: Iterable, *, impls: dict[str, str], backend: str,
         where = row.backend or runs_on.get(row.impl, backend)
         out.append(Outcome(f"{row.impl}@{where}", row.clause, status, row.subject, detail,
                            repro(backend, impls.get(row.impl, row.impl), row.data)
-                           if status is Status.FAIL else ""))
+                           if status is Status.FAIL else "", cause=row.cause))
     return out

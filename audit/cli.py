@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None,
                    help="tokens per problem (default: 128 on the CPU, 4096 on CUDA)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("audit-report"), help="output directory")
+    p.add_argument("--out", type=Path, default=Path("audit-report"), help="output directory: report.md, report.json, verdict.md, verdict.json (default audit-report)")
     p.add_argument("--probe", action="append", default=[], metavar="NAME",
                    help="error-bound probe (repeatable; default: all)")
     p.add_argument("--runs", type=int, default=None,

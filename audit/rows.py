@@ -26,3 +26,4 @@ class Row:
     clause: str | None = None  # the clause judged; None: its Section's (audit.sections)
     skip: SkipReason | None = None  # an info row that stands for a case not judged: why, its kind
     backend: str | None = None  # where impl ran; None: filled in by Audit.record
+    cause: str | None = None  # a FAIL's root cause when not its clause's own (magi_moe.verdict.CAUSES)

@@ -29,7 +29,8 @@ usable here (a GPU, then plain PyTorch on the CPU, then the Triton interpreter);
 an implementation does not declare, or one not usable here, is refused in one line. The targets
 are found, not listed: every ``tests/test_fuzz_*.py`` with a test marked
 :func:`fuzz.fuzzers.campaign_target` (the property records' test, each state machine). A
-directory ``--db`` holds one example database per implementation set (``<db>/<impls>``) unless
+directory ``--db`` holds one example database per implementation set (``<db>/<impls>``), a Redis
+``--db`` one namespace per set (``redis://...#<impls>``: key prefix and local directory), unless
 ``--shared-db``.
 
 ``--replay-only`` is the per-commit run: the database is opened read-only, every saved example
@@ -91,13 +92,36 @@ def machine_names(tests_dir: Path = _TESTS_DIR) -> tuple[str, ...]:
     return tuple(n for n in dict.fromkeys(names) if n not in PROPERTIES)
 
 
+def machine_records(tests_dir: Path = _TESTS_DIR) -> list[dict]:
+    """Each state machine's ``name``, ``clause`` and ``needs`` (its marks) and ``summary`` (its
+    docstring's first sentence), read from its test's source (nothing is imported)."""
+    import ast
+
+    def mark(decorator, name):
+        call = decorator if isinstance(decorator, ast.Call) else None
+        if call is not None and ast.unparse(call.func) == f"pytest.mark.{name}":
+            return [a.value for a in call.args if isinstance(a, ast.Constant)]
+        return None
+
+    records = []
+    for file in campaign_test_files(tests_dir):
+        for node in ast.parse((REPO_ROOT / file).resolve().read_text()).body:
+            if not isinstance(node, ast.FunctionDef) or node.name.removeprefix("test_") not in machine_names(tests_dir):
+                continue
+            marks = {n: sum((mark(d, n) or [] for d in node.decorator_list), []) for n in ("clause", "needs")}
+            doc = " ".join((ast.get_docstring(node) or "").split())
+            records.append({"name": node.name.removeprefix("test_"), "clause": ", ".join(marks["clause"]),
+                            "needs": marks["needs"], "summary": doc.split(". ")[0].rstrip(".")})
+    return records
+
+
 DEFAULT_TESTS = campaign_test_files()
 STATE_MACHINES = machine_names()  # --properties names that are not fuzz.fuzzers.PROPERTIES
 PROFILES = ("nightly", "dev", "ci")
 OTHER_COMMANDS = """other commands (each takes --help):
   python -m fuzz replay RECORD|FILE                  replay one recorded case exactly; exit 1 if it still fails
   python -m fuzz rerun NODEID --db DIR --backend B   replay a failing test node from a campaign's database
-  python -m fuzz list                                the properties a campaign can run (--properties)
+  python -m fuzz list                                what a campaign can run (--properties): properties, state machines
   python -m fuzz merge OUT... --out DIR              one summary.json from the campaigns of N machines"""
 
 
@@ -117,10 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None, help="campaign seed (default: random, printed)")
     p.add_argument("--db", default=FUZZ_DATABASE,
                    help="example database (default: $FUZZ_DB, else .hypothesis/fuzz-db): a directory (one machine) or redis://host:port/N (shared by "
-                        "every machine; paired with --db-local); a directory holds one database per "
-                        "implementation set, <db>/<impls>, unless --shared-db")
+                        "every machine; paired with --db-local); one database per implementation set "
+                        "(a directory: <db>/<impls>; Redis: the namespace redis://...#<impls>) unless --shared-db")
     p.add_argument("--shared-db", action="store_true",
-                   help="use a directory --db as it is, shared by every implementation's campaigns")
+                   help="use --db as it is (a directory, or Redis without a namespace), shared by every "
+                        "implementation's campaigns")
     p.add_argument("--db-local", default=None,
                    help=f"local directory paired with a Redis --db (default {fuzz_db.DEFAULT_LOCAL_DIR})")
     p.add_argument("--replay-only", action="store_true",
@@ -184,12 +209,17 @@ def choose_backend(requested: str | None, impl_names: list[str]) -> tuple[str | 
 
 
 def database_for(args) -> str:
-    """The directory database of this campaign's implementations (``<db>/<impls>``): records and
-    examples of one implementation never open another's campaign. Redis and --shared-db: as given."""
-    if fuzz_db.is_url(args.db) or args.shared_db or Path(args.db).is_file():  # a file: refused as given
+    """The database of this campaign's implementations: ``<db>/<impls>`` for a directory, the
+    namespace ``redis://...#<impls>`` for Redis (:func:`fuzz.database.namespaced`), so that the
+    records and examples of one implementation never open another's campaign. --shared-db, or a
+    URL that names its namespace already: as given."""
+    if args.shared_db or Path(args.db).is_file():  # a file: refused as given
         return args.db
     names = sorted(args.impl) or ["all-declared"]
-    return str(Path(args.db) / re.sub(r"[^A-Za-z0-9_.-]+", "_", "+".join(names))[:120])
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", "+".join(names))[:120]
+    if fuzz_db.is_url(args.db):
+        return args.db if "#" in args.db else fuzz_db.namespaced(args.db, name)
+    return str(Path(args.db) / name)
 
 
 def refused_arguments(args) -> str | None:
@@ -590,8 +620,10 @@ def _summary(args, *, backend: str, seed: int, start: float, returncode: int, ou
         if not test and nodeid in skips:  # skipped, then pytest was stopped before junit.xml
             test = {"outcome": "skipped", "reason": skips[nodeid]["reason"]}
         per_target.append({"target": nodeid, "property": s.get("property"), "impl": s.get("impl"),
+                           "clause": s.get("clause"), "subject": s.get("subject"),  # the verdict's row
                            "outcome": test.get("outcome", "not run"), "rounds": s.get("rounds", 0),
                            "cases": s.get("cases", 0), "seconds": s.get("seconds", 0.0), "worker": s.get("worker"),
+                           "started": s.get("started"),  # seconds into the campaign; None: never started
                            "first_failure_case": s.get("first_failure_case"),
                            **({"reason": test["reason"]} if test.get("reason") else {}),
                            **({"skip_kind": skips[nodeid]["kind"]} if nodeid in skips else {})})

@@ -368,6 +368,10 @@ def pytest_pyfunc_call(pyfuncitem):
     first_failure = None
     rec.clear_found()
     rec.set_current_item(pyfuncitem.nodeid)
+    # Started, no round finished yet: a target stopped at the hard limit in its first round is
+    # reported as such (its time was spent), not as one that got no time.
+    _write_stats(out, pyfuncitem, rounds=0, cases=0, seconds=0.0, started=round(began - start, 2),
+                 worker=getattr(config, "workerinput", {}).get("workerid", "main"), first_failure_case=None)
     _seed_rounds(_round_seed(config.getoption("--fuzz-seed"), pyfuncitem.nodeid, 0))
     while True:
         t0 = time.time()

@@ -6,8 +6,9 @@ One outcome per target (a property row on one implementation/backend pair or rou
 machine on a pair): its clause is the target's (the Property record's ``clause``; a machine's
 ``clause`` mark), ``failed`` with the first failure record's message and reproduction, ``skipped``
 with pytest's reason and its kind (:func:`magi_moe.verdict.skip_kind` of the skip, recorded by
-the campaign plugin: an undeclared capability reads NOT DECLARED), or with "got no time" when
-the budget ended before it ran a case, else ``passed``. A failure record of no target (a case
+the campaign plugin: an undeclared capability reads NOT DECLARED), with "got no time" when
+the budget ended before it started, or "stopped at the hard limit in its first round" when it
+started but no round of it finished, else ``passed``. A failure record of no target (a case
 that killed its worker, one replayed from the database) is an outcome of its own, under its
 property's clause.
 """
@@ -38,9 +39,12 @@ def _record_clause(failure: dict) -> str:
 
 
 def campaign_outcomes(summary: dict, stats: dict[str, dict]) -> list[Outcome]:
-    """The campaign's outcomes: ``summary`` as :func:`fuzz.campaign._summary` builds it, ``stats``
-    each target's statistics by node id (its ``clause`` and ``subject``)."""
+    """The campaign's outcomes: ``summary`` as :func:`fuzz.campaign._summary` builds it (or
+    :func:`fuzz.merge.merge_summaries`), ``stats`` each target's statistics by node id (its
+    ``clause`` and ``subject``; else the summary row's own)."""
     backend = summary.get("backend", "?")
+    if isinstance(backend, list):  # a merged summary lists every machine's backend
+        backend = ",".join(backend) or "?"
     by_node: dict[str, list[dict]] = {}
     for failure in summary.get("failures", []):
         by_node.setdefault(failure.get("nodeid") or "", []).append(failure)
@@ -48,8 +52,8 @@ def campaign_outcomes(summary: dict, stats: dict[str, dict]) -> list[Outcome]:
     for row in summary.get("targets", []):
         node = row["target"]
         info = stats.get(node, {})
-        subject = info.get("subject") or f"{row.get('impl') or '?'}@{backend}"
-        clause = info.get("clause") or _record_clause(row)
+        subject = info.get("subject") or row.get("subject") or f"{row.get('impl') or '?'}@{backend}"
+        clause = info.get("clause") or row.get("clause") or _record_clause(row)
         failures = by_node.pop(node, [])
         if failures:
             first = failures[0]
@@ -64,6 +68,10 @@ def campaign_outcomes(summary: dict, stats: dict[str, dict]) -> list[Outcome]:
         elif row.get("cases", 0) > 0:
             outcomes.append(Outcome(subject, clause, Status.PASS, node,
                                     f"{row['cases']} cases in {row.get('rounds', 0)} rounds"))
+        elif row.get("started") is not None and row.get("rounds", 0) == 0:
+            outcomes.append(Outcome(subject, clause, Status.SKIP, node, not_run(
+                f"stopped at the hard limit in its first round, started {row['started']:.0f} s into "
+                f"the campaign (it leads the next campaign)")))
         else:
             outcomes.append(Outcome(subject, clause, Status.SKIP, node, NO_TIME))
     for node, failures in by_node.items():  # records of no target: crashes, database replays

@@ -5,7 +5,7 @@
     python -m fuzz --replay-only --db redis://host:6379/0 --backend interpret  # per commit: replay the nightly findings
     python -m fuzz replay '<record json>' | path/to/failure.json    # one case, exactly (exit 1: fails, 3: cannot run here)
     python -m fuzz rerun 'tests/test_fuzz_stateful.py::test_weight_swaps[fused@cpu]' --db DIR --backend cpu
-    python -m fuzz list                                              # the properties
+    python -m fuzz list                                              # the properties and state machines
     python -m fuzz merge machine-a/fuzz-out machine-b/fuzz-out --out merged   # one summary of N machines
 
 A campaign writes ``<out>/summary.json``, ``<out>/junit.xml``, ``<out>/failures/*.json`` (each
@@ -99,16 +99,20 @@ def replay_main(argv: list[str]) -> int:
 
 def list_main(argv: list[str]) -> int:
     parser = OneLineParser(prog=f"{program_name()} list",
-                           description="The properties a campaign can run (--properties): "
-                                       "the records of fuzz.fuzzers.PROPERTIES.")
+                           description="What a campaign can run (--properties): the records of "
+                                       "fuzz.fuzzers.PROPERTIES, then the state machines.")
     parser.parse_args(argv)
     from magi_moe.text_tables import format_table
 
+    from .campaign import machine_records
     from .fuzzers import PROPERTIES
     rows = [[p.name, p.on.name + (" (kernels only)" if p.kernels_only else ""), ", ".join(p.needs),
              f"{p.examples:g}", p.summary] for p in PROPERTIES.values()]
     print(format_table(["property", "runs on", "needs", "share of examples", "checks"], rows,
                        numeric_columns=(3,)))
+    machines = [[m["name"], m["clause"], ", ".join(m["needs"]), m["summary"]] for m in machine_records()]
+    print()
+    print(format_table(["state machine", "clause", "needs", "checks"], machines))
     return 0
 
 

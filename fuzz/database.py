@@ -5,7 +5,10 @@ Hypothesis's own database classes (no synchronisation of ours).
 * ``redis://host:port/N`` (or ``rediss://``, ``unix://``): ``MultiplexedDatabase`` of a local
   directory and ``RedisExampleDatabase``. Every worker on every machine saves to both and reads
   from both, so what one machine finds is replayed by the others, and the local copy still
-  holds this machine's findings when the server is gone;
+  holds this machine's findings when the server is gone. A fragment names a namespace,
+  ``redis://host:port/N#NAME`` (:func:`namespaced`): its keys are prefixed with ``NAME`` and its
+  local half is ``<local dir>/NAME``, so the campaigns of one implementation set share one
+  database and never read another's (a directory ``--db`` is split by a subdirectory instead);
 * ``read_only=True`` wraps either in ``ReadOnlyDatabase``: per-commit CI replays the nightly
   findings and never writes.
 
@@ -29,13 +32,14 @@ from hypothesis.database import (DirectoryBasedExampleDatabase, ExampleDatabase,
                                  ReadOnlyDatabase)
 
 __all__ = ["DEFAULT_LOCAL_DIR", "FINDINGS_KEY", "ROTATION_KEY", "DatabaseError", "delete_finding",
-           "describe", "is_url", "load_findings", "open_database", "read_rotation", "save_finding",
-           "write_rotation"]
+           "describe", "is_url", "load_findings", "namespaced", "open_database", "read_rotation",
+           "save_finding", "write_rotation"]
 
 FINDINGS_KEY = b"magi-moe.fuzz.findings"
 ROTATION_KEY = b"magi-moe.fuzz.rotation"
 DEFAULT_LOCAL_DIR = ".hypothesis/fuzz-db-local"
 _REDIS_SCHEMES = ("redis", "rediss", "unix")
+_REDIS_KEY_PREFIX = b"hypothesis-example:"  # Hypothesis's own default, kept for the shared namespace
 
 
 class DatabaseError(RuntimeError):
@@ -59,8 +63,15 @@ def describe(spec: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def namespaced(url: str, name: str) -> str:
+    """``url`` with the namespace ``name`` as its fragment (``redis://host:port/N#name``)."""
+    return urlunsplit(urlsplit(url)._replace(fragment=name))
+
+
 def _redis_database(url: str, *, check: bool, what: str) -> ExampleDatabase:
-    scheme = urlsplit(url).scheme
+    parts = urlsplit(url)
+    scheme, namespace = parts.scheme, parts.fragment
+    url = urlunsplit(parts._replace(fragment=""))  # the client does not take a fragment
     if scheme not in _REDIS_SCHEMES:
         raise DatabaseError(f"{what} must be a directory or a redis:// URL ({', '.join(_REDIS_SCHEMES)}), "
                             f"got scheme {scheme!r} in {describe(url)!r}")
@@ -77,7 +88,8 @@ def _redis_database(url: str, *, check: bool, what: str) -> ExampleDatabase:
     except (ValueError, redis.RedisError) as exc:
         raise DatabaseError(f"{what} {describe(url)}: cannot reach the Redis server: "
                             f"{type(exc).__name__}: {exc}") from exc
-    return RedisExampleDatabase(client)
+    prefix = _REDIS_KEY_PREFIX + (namespace.encode() + b":" if namespace else b"")
+    return RedisExampleDatabase(client, key_prefix=prefix)
 
 
 def open_database(spec: str | os.PathLike, *, local_dir: str | os.PathLike | None = None,
@@ -90,8 +102,10 @@ def open_database(spec: str | os.PathLike, *, local_dir: str | os.PathLike | Non
         raise DatabaseError(f"{what} must be a directory or a redis:// URL, got an empty string")
     if is_url(spec):
         shared = _redis_database(spec, check=check, what=what)
+        local = Path(local_dir or DEFAULT_LOCAL_DIR)
+        namespace = urlsplit(spec).fragment
         db: ExampleDatabase = MultiplexedDatabase(
-            DirectoryBasedExampleDatabase(str(local_dir or DEFAULT_LOCAL_DIR)), shared)
+            DirectoryBasedExampleDatabase(str(local / namespace if namespace else local)), shared)
     else:
         if Path(spec).exists() and not Path(spec).is_dir():
             raise DatabaseError(f"{what} must be a directory or a redis:// URL, got the file {spec!r}")

@@ -3,7 +3,9 @@
 Machines that share one example database (``--db redis://...``) each write their own
 ``<out>/summary.json``; this reads them and writes one ``summary.json`` in the same form: totals
 added up, a target that ran on several machines counted once with its cases, rounds and seconds
-added (its outcome the worst one seen), and each failure listed once (by its reproduction line).
+added (its outcome the worst one seen), and each failure listed once (by its reproduction line);
+then the merged campaign's per-clause verdict, printed and written as ``verdict.md`` and
+``verdict.json`` beside it, in the form a single campaign writes (:mod:`fuzz.campaign_verdict`).
 Exit status 1 when any machine found a failure, 2 when a summary cannot be read, when one
 campaign is given twice, or when ``--out`` cannot be a directory (checked first), else 0.
 """
@@ -118,4 +120,13 @@ def merge_main(argv: list[str]) -> int:
         print(f"[fuzz] {f.get('kind')}: {f.get('property') or f.get('nodeid')}: {f.get('message')}\n"
               f"  reproduce: {f.get('repro')}")
     print(f"[fuzz] wrote {out / 'summary.json'}")
+    from .campaign_verdict import campaign_outcomes, write_verdict
+
+    backends = ", ".join(merged["backend"]) or "?"
+    lines = write_verdict(out, campaign_outcomes(merged, {}),
+                          title=f"magi-moe fuzz verdict ({backends}; {merged['machines']} campaigns merged)")
+    print("[fuzz] verdict (one row per contract clause):")
+    for line in lines:
+        print(f"  {line}")
+    print(f"[fuzz] wrote {out / 'verdict.md'} and {out / 'verdict.json'}")
     return 1 if merged["failures"] or t["failed"] else 0

@@ -509,8 +509,8 @@ def check_row_isolation(target: Target, case: ExpertCase, *, poison: str, routes
         _exercised("row_isolation", vacuous)
         _push(result.ratio, "row-isolation error/bound")
         _note(result.text)
-        if result.inaccurate is not None:
-            raise result.inaccurate  # wrong without the poison too: counted under accuracy
+        if not result.ok and result.inaccurate is not None:  # wrong with no poison too: accuracy's
+            raise PropertyViolation(f"the clean rows are inaccurate: {result.text}", record) from result.inaccurate
         if not result.ok:
             raise PropertyViolation(f"a poisoned row reached another token: {result.text}", record)
         return {"ratio": result.ratio, "poisoned_rows": int(rows.sum())}

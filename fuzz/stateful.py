@@ -56,6 +56,7 @@ from magi_moe.dirty_memory import handed_memory, reserve_for
 from magi_moe.implementation import Implementation
 from magi_moe.problems import Problem
 from magi_moe.routing import build_route_table, route
+from magi_moe.verdict import LayerWrongFromTheStart
 from magi_moe.weights import ExpertWeights
 
 from .tolerance import CAMPAIGN_FAILURE_PROBABILITY
@@ -188,6 +189,7 @@ class WeightSwapMachine(RuleBasedStateMachine):
         missing = [n for n in ALL_TENSORS if n not in self.layer.state_dict()]
         assert not missing, f"layer.state_dict() lacks the released names {missing}"
         self.changed: list[str] = ["built from a state dict"]
+        self.forwards = 0  # judged calls so far: a failing first one is the layer's, not its history's
         self.invalidated, self.packed_changed = False, True
         self.last_packs = self._packs()
         note(f"layer {type(self.layer).__name__} via {self.factory_name}, {self.config.describe()}, "
@@ -409,6 +411,12 @@ class WeightSwapMachine(RuleBasedStateMachine):
         verdict = judge_on_state(y, x, self.layer.state_dict(), self.config, self.precision, rows=rows)
         since = ", ".join(self.changed) or "nothing"
         note(f"{what}: ratio {verdict.ratio:.3f}, packs {self.last_packs} -> {packs}")
+        if not verdict.ok and self.forwards == 0 and self.changed == ["built from a state dict"]:
+            # The first call on the weights the layer was built with: no change and no earlier
+            # call to blame, so the layer is simply wrong (the verdict counts it under accuracy).
+            raise LayerWrongFromTheStart(f"{what}, the layer's first call, does not match the "
+                                         f"reference on the weights it was built with: {verdict.text}")
+        self.forwards += 1
         assert verdict.ok, (f"{what} after [{since}] does not match the reference on the current "
                             f"weights (stale weights?): {verdict.text}")
         if packs is not None and self.last_packs is not None:
@@ -456,6 +464,20 @@ def _rules(max_tokens: int, tokens: st.SearchStrategy[int] | None = None) -> dic
 
     return {f"change_{how}": change_rule(how) for how in CHANGES} | {
         "invalidate": invalidate, "forward": forward}
+
+
+def sweep_routes(machine: type, *, seed: int = 0, tokens: int = 4) -> None:
+    """Every route of :data:`CHANGES` once (on the expert weights in turn), each followed by a
+    forward judged on the current weights: the deterministic start of a weight-swap run. A
+    random run's first example is Hypothesis's simplest (no step), so a short campaign round
+    could end without one change judged, and pass a stale cache."""
+    state = machine()
+    state.build(seed)
+    try:
+        for i, how in enumerate(CHANGES):
+            state._change(how, EXPERT_PARAMS[i % len(EXPERT_PARAMS)], tokens)
+    finally:
+        state.teardown()
 
 
 def weight_swap_machine(layer, *, config: MoEConfig, device: str = "cpu", max_tokens: int = 24,

@@ -292,7 +292,11 @@ def test_each_implementation_set_has_its_own_directory_database(tmp_path):
     assert db([]) == str(tmp_path / "db" / "all-declared")
     assert db(["a", "b"]) == db(["b", "a"])
     assert db(["team:GOOD"], shared=True) == str(tmp_path / "db")
-    assert db(["x"], spec="redis://host:6379/0") == "redis://host:6379/0"  # shared by design
+    # Redis: one namespace per implementation set (key prefix and local half), as the directory
+    assert db(["team:GOOD"], spec="redis://host:6379/0") == "redis://host:6379/0#team_GOOD"
+    assert db(["team:GOOD"], spec="redis://host:6379/0") != db(["team:BUGGY"], spec="redis://host:6379/0")
+    assert db(["x"], spec="redis://host:6379/0", shared=True) == "redis://host:6379/0"
+    assert db(["x"], spec="redis://host:6379/0#nightly") == "redis://host:6379/0#nightly"  # named: as given
 
 
 def _campaign_summary():
@@ -473,3 +477,35 @@ def test_a_skip_before_a_stop_still_reads_as_a_skip(tmp_path):
     assert row["outcome"] == "skipped" and row["impl"] == "team-good" and summary["targets_without_time"] == []
     rows = verdict_rows(campaign_outcomes(summary, json.loads((tmp_path / "targets.json").read_text())["rows"]))
     assert [(r.clause.name, r.status) for r in rows["team-good@cpu"]] == [("determinism", NOT_DECLARED)]
+    # the summary row names its clause and subject, so a merge of summaries alone folds the same verdict
+    assert (row["clause"], row["subject"]) == ("determinism", "team-good@cpu")
+    assert [(r.clause.name, r.status) for r in verdict_rows(campaign_outcomes(summary, {}))["team-good@cpu"]] \
+        == [("determinism", NOT_DECLARED)]
+
+
+def test_a_target_stopped_in_its_first_round_is_not_reported_as_getting_no_time(tmp_path):
+    """A serving stream started 76 s into a 90 s campaign and stopped at the hard limit 44 s later
+    once read "got no time within the budget": its time was spent, in a round that never ended."""
+    import argparse
+
+    from magi_moe.fuzz.campaign import _summary, write_fallback_junit
+    from magi_moe.fuzz.campaign_verdict import campaign_outcomes
+    from magi_moe.verdict import NOT_RUN, verdict_rows
+
+    stopped = "tests/test_fuzz_stateful.py::test_serving_stream[team-stale@cpu]"
+    never = "tests/test_fuzz_stateful.py::test_weight_swaps[team-stale@cpu]"
+    for sub in ("failures", "stats", "skips"):
+        (tmp_path / sub).mkdir()
+    rows = {n: {"property": None, "impl": "team-stale", "clause": c, "subject": "team-stale@cpu"}
+            for n, c in ((stopped, "history"), (never, "weight-swaps"))}
+    (tmp_path / "targets.json").write_text(json.dumps({"targets": [stopped, never], "rows": rows}))
+    (tmp_path / "stats" / "s.json").write_text(json.dumps(  # as the plugin writes it when a target starts
+        {"nodeid": stopped, **rows[stopped], "rounds": 0, "cases": 0, "seconds": 0.0, "started": 76.5}))
+    write_fallback_junit(tmp_path)
+    args = argparse.Namespace(impl=["team:STALE"], profile="nightly", workers=1, db=str(tmp_path / "db"),
+                              replay_only=False, budget_seconds=90.0)
+    summary = _summary(args, backend="cpu", seed=1, start=0.0, returncode=-15, out=tmp_path, order={}, replayed={})
+    table = {r.clause.name: r for r in verdict_rows(campaign_outcomes(summary, {}))["team-stale@cpu"]}
+    assert table["history"].status == NOT_RUN and "stopped at the hard limit in its first round" in \
+        table["history"].detail and "started 76 s into" in table["history"].detail, table["history"].detail
+    assert table["weight-swaps"].status == NOT_RUN and "got no time" in table["weight-swaps"].detail

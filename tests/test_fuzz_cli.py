@@ -26,9 +26,13 @@ def test_each_command_has_its_own_help(command, capsys):
     assert f"python -m fuzz {command}" in capsys.readouterr().out
 
 
-def test_list_shows_every_property_record(capsys):
+def test_list_shows_every_property_record_and_every_state_machine(capsys):
+    """The state machines (--properties weight_swaps, serving_stream) were once missing from it."""
+    from magi_moe.fuzz.campaign import STATE_MACHINES
+
     assert main(["list"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    properties, machines = capsys.readouterr().out.split("\n\n")
+    lines = properties.splitlines()
     assert lines[0].split()[:4] == ["property", "runs", "on", "needs"]
     listed = {line.split()[0]: line for line in lines[2:]}
     assert list(listed) == list(PROPERTIES)
@@ -36,6 +40,11 @@ def test_list_shows_every_property_record(capsys):
         assert prop.on.name in listed[name] and prop.summary in listed[name]
         for need in prop.needs:
             assert need in listed[name]
+    lines = machines.splitlines()
+    assert lines[0].split()[:3] == ["state", "machine", "clause"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert set(STATE_MACHINES) == {"weight_swaps", "serving_stream"} and list(rows) == list(STATE_MACHINES)
+    assert rows["weight_swaps"][1:3] == ["weight-swaps", "weight_cache"] and rows["serving_stream"][1] == "history"
 
 
 class _Options:

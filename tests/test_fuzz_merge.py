@@ -71,3 +71,29 @@ def test_merge_refuses_an_out_under_a_file_before_reading_any_input(tmp_path, ca
     assert main(["merge", str(missing), "--out", str(tmp_path / "plain" / "m")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--out must be a directory" in err and "is a file" in err, err
+
+
+def test_merge_writes_the_merged_campaigns_verdict(tmp_path, capsys):
+    """The merge once wrote summary.json only: no verdict, unlike each machine's campaign."""
+    failure = {"kind": "violation", "property": "differential", "nodeid": "t::diff", "message": "off by 1%",
+               "repro": "python -m magi_moe.fuzz replay '{}'", "impl": "team-good", "backend": "cpu"}
+    a = _summary(tmp_path / "a", targets=[("t::diff", "passed", 4, 1), ("t::swaps", "passed", 0, 0)])
+    b = _summary(tmp_path / "b", targets=[("t::diff", "failed", 2, 1), ("t::swaps", "passed", 3, 1)],
+                 failures=[failure], failed=1, seed=2)
+    for path, rows in ((a, None), (b, None)):  # each machine's rows name their clause and subject
+        data = json.loads((path / "summary.json").read_text())
+        for row in data["targets"]:
+            row.update(clause="accuracy" if row["target"] == "t::diff" else "weight-swaps",
+                       subject="team-good@cpu", impl="team-good")
+        (path / "summary.json").write_text(json.dumps(data))
+    assert main(["merge", str(a), str(b), "--out", str(tmp_path / "m")]) == 1
+    verdict = json.loads((tmp_path / "m" / "verdict.json").read_text())
+    [subject] = verdict["subjects"]
+    rows = {c["clause"]: c for c in subject["clauses"]}
+    assert subject["subject"] == "team-good@cpu" and subject["verdict"] == "FAIL"
+    assert rows["accuracy"]["status"] == "FAIL" and "off by 1%" in rows["accuracy"]["detail"]
+    assert rows["accuracy"]["repro"].startswith("python -m magi_moe.fuzz replay")
+    assert rows["weight-swaps"]["status"] == "PASS"  # no cases on a, three on b: it ran
+    assert "accuracy" in (tmp_path / "m" / "verdict.md").read_text()
+    out = capsys.readouterr().out
+    assert "verdict (one row per contract clause)" in out and "team-good@cpu: FAIL" in out

@@ -147,3 +147,20 @@ def test_wrong_database_url_is_refused_before_any_worker(tmp_path, capsys):
         err = capsys.readouterr().err
         assert code == 2 and reason in err, err
         assert not (tmp_path / "out").exists()  # refused before anything was started or written
+
+
+def test_each_implementation_set_has_its_own_redis_namespace(redis_url, tmp_path):
+    """A Redis --db was once shared by every implementation's campaigns: one implementation's
+    campaign opened with another's failure records (the directory --db was already split)."""
+    from magi_moe.fuzz.database import load_findings, open_database, save_finding
+
+    def db(impl):
+        return open_database(f"{redis_url}#{impl}", local_dir=tmp_path / "local")
+
+    save_finding(db("team_BUGGY"), {"kind": "violation", "nodeid": "t::buggy", "message": "off"})
+    assert [f["nodeid"] for f in load_findings(db("team_BUGGY"))] == ["t::buggy"]
+    assert load_findings(db("team_GOOD")) == []  # the other set's namespace: nothing of BUGGY's
+    assert load_findings(open_database(redis_url, local_dir=tmp_path / "shared-local")) == []
+    keys = redis.Redis.from_url(redis_url).keys("*magi-moe.fuzz.findings")
+    assert keys and all(b"team_BUGGY:" in k for k in keys), keys
+    assert (tmp_path / "local" / "team_BUGGY").is_dir() and not (tmp_path / "local" / "team_GOOD").exists()

@@ -57,15 +57,27 @@ def layer_failure(impl, device, poison: str, *, seed: int = 50) -> str | None:
 @pytest.mark.clause("row-isolation")
 @pytest.mark.parametrize("poison", ["mixed", "garbage"])
 def test_poisoned_rows_never_reach_other_tokens(impl_backend, poison):
-    failures = kernel_failures(impl_backend.impl, impl_backend.device, poison)
+    problem = random_problem(impl_backend.impl.fit(preset("tiny")), TOKENS, seed=40, device=impl_backend.device)
+    results = [check_row_isolation(impl_backend.impl, problem, _rows(40), poison, mode, seed=41)
+               for mode in ROUTE_MODES]
+    for r in results:  # inaccurate with no poison too: the verdict counts it under accuracy
+        if r.inaccurate is not None:
+            raise AssertionError(r.text) from r.inaccurate
+    failures = [r.text for r in results if not r.ok]
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.clause("row-isolation")
 @pytest.mark.parametrize("poison", ["nan", "garbage"])
 def test_layer_poisoned_rows_never_reach_other_tokens(impl_backend, poison):
-    why = layer_failure(impl_backend.impl, impl_backend.device, poison)
-    assert why is None, why
+    config = impl_backend.impl.fit(preset("tiny"))
+    x = torch.randn(TOKENS, config.hidden_size, generator=torch.Generator().manual_seed(50))
+    result = check_layer_row_isolation(impl_backend.impl, config, draw_state(config, 50, impl_backend.device),
+                                       x.to(device=impl_backend.device, dtype=config.dtype), _rows(50),
+                                       poison, seed=51)
+    if result.inaccurate is not None:  # inaccurate with no poison too: counted under accuracy
+        raise AssertionError(result.text) from result.inaccurate
+    assert result.ok, result.text
 
 
 @pytest.mark.parametrize("call, argument", [
@@ -162,3 +174,58 @@ def test_an_inaccurate_kernel_is_counted_under_accuracy_not_isolation():
     problem = random_problem(preset("tiny"), TOKENS, seed=40)
     result = check_row_isolation(broken.per_tensor_scale, problem, _rows(40), "mixed", "unrouted", seed=41)
     assert not result.ok and result.inaccurate is None, result.text
+
+
+def _inaccurate_everywhere():
+    """A kernel off by half on every row, poisoned rows or none: inaccurate, not leaking."""
+    import dataclasses
+
+    from magi_moe.examples.kernel import IMPL, loop_forward
+
+    def half_again(x, table, weights, config, *, out):
+        return loop_forward(x, table, weights, config, out=out).mul_(1.5)
+
+    return dataclasses.replace(IMPL, name="inaccurate-everywhere", forward=half_again)
+
+
+def test_an_inaccurate_kernel_is_not_reported_as_a_leak():
+    """A kernel wrong with no poisoned row at all once failed row-isolation as "a poisoned row
+    reached another token" beside its accuracy row: its failures carry the accuracy cause."""
+    from magi_moe.judge import Inaccurate
+    from magi_moe.audit.sections import isolation as section
+    from magi_moe.verdict import INACCURATE, cause_of
+
+    impl = _inaccurate_everywhere()
+    problem = random_problem(impl.fit(preset("tiny")), TOKENS, seed=40, device="cpu")
+    for mode in ROUTE_MODES:
+        result = check_row_isolation(impl, problem, _rows(40), "nan", mode, seed=41)
+        assert not result.ok and isinstance(result.inaccurate, Inaccurate), result.text
+        assert "as wrong on their own" in result.text
+    rows = list(section.run(_Audit(impl)))
+    kernel_rows = [r for r in rows if not r.subject.endswith(".layer()")]
+    layer_rows = [r for r in rows if r.subject.endswith(".layer()")]
+    assert kernel_rows and all(r.status == "FAIL" and r.cause == INACCURATE for r in kernel_rows), \
+        [(r.subject, r.status, r.cause) for r in rows]
+    # its layer is as wrong on the clean rows alone: NOT RUN, left to the fresh-layer clauses
+    assert layer_rows and all(r.status == "info" and r.skip for r in layer_rows), layer_rows
+    from magi_moe.audit.clauses import audit_outcomes
+    from magi_moe.verdict import FAIL, Outcome, Status, verdict_rows
+
+    for r in rows:
+        r.clause = "row-isolation"
+    accuracy = Outcome("inaccurate-everywhere@cpu", "accuracy", Status.FAIL, "bounds", "off by half")
+    table = verdict_rows([accuracy, *audit_outcomes(rows, impls={}, backend="cpu")])
+    verdict = {r.clause.name: r for r in table["inaccurate-everywhere@cpu"]}
+    assert verdict["accuracy"].status == FAIL and verdict["row-isolation"].status != FAIL, verdict
+    prop = fuzzers.PROPERTIES["row_isolation"]
+    target = make_target(impl, "cpu", spec="inaccurate-everywhere")
+    quick = settings(max_examples=5, derandomize=True, database=None, deadline=None,
+                     phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+    with pytest.raises(PropertyViolation, match="the clean rows are inaccurate") as caught:
+        fuzzers.search(prop, target, settings=quick)
+    assert cause_of(caught.value) == INACCURATE
+    # a real leak keeps its own clause: the per-expert scale is accurate without poison
+    leaks = [check_row_isolation(broken.per_expert_scale, random_problem(
+        broken.per_expert_scale.fit(preset("tiny")), TOKENS, seed=40, device="cpu"), _rows(40), "mixed", "own",
+        seed=41)]
+    assert not leaks[0].ok and leaks[0].inaccurate is None, leaks[0].text

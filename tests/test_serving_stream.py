@@ -159,3 +159,32 @@ def test_bad_arguments_are_refused_naming_them():
         serving_layer_machine("torch-bf16", config="tiny")
     with pytest.raises(ValueError, match="implementation must be"):
         serving_kernel_machine("no-such-impl", config=CONFIG)
+
+
+def _everywhere_wrong():
+    """A kernel off by half on every call, its first included: inaccurate, with no history."""
+    import dataclasses
+
+    from magi_moe.examples.kernel import IMPL, loop_forward
+
+    def half_again(x, table, weights, config, *, out):
+        return loop_forward(x, table, weights, config, out=out).mul_(1.5)
+
+    return dataclasses.replace(IMPL, name="everywhere-wrong", forward=half_again)
+
+
+def test_a_first_call_already_wrong_counts_under_accuracy_not_history():
+    """A kernel wrong on every call once failed the history row too ("after [built from a state
+    dict]"): one root cause, two FAIL rows. The first call has no earlier call to blame."""
+    from magi_moe.judge import Inaccurate
+    from magi_moe.verdict import INACCURATE, WRONG_FROM_THE_START, LayerWrongFromTheStart, cause_of
+
+    wrong = _everywhere_wrong()
+    machine = serving_kernel_machine(wrong, config=CONFIG)
+    with pytest.raises(Inaccurate, match="call 1 .*the first call") as caught:
+        drive(machine, 0, growing_steps(machine))
+    assert cause_of(caught.value) == INACCURATE
+    machine = serving_layer_machine(wrong, config=CONFIG)
+    with pytest.raises(LayerWrongFromTheStart, match="the layer's first call") as caught:
+        drive(machine, 0, growing_steps(machine))
+    assert cause_of(caught.value) == WRONG_FROM_THE_START

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
+from magi_moe.verdict import cause_of
+
 from ..rows import FAIL, PASS, SKIP, Row
 from .layer_shapes import layer_config
 
@@ -30,7 +32,7 @@ def _stream_row(impl, what: str, machine) -> Row:
         notes = [n.strip() for n in getattr(exc, "__notes__", ()) if "reproduce:" in n]
         return Row(SECTION, subject, FAIL, f"{type(exc).__name__}: {first}",
                    {"record": record_for(machine, 0, steps), "reproduce": notes[-1] if notes else ""},
-                   impl=impl.name)
+                   impl=impl.name, cause=cause_of(exc))  # a first call already wrong: accuracy's
     return Row(SECTION, subject, PASS, f"{len(steps)} steps on one object, token counts {counts}",
                {"record": record_for(machine, 0, steps)}, impl=impl.name)
 

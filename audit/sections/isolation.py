@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from magi_moe.problems import random_problem
-from magi_moe.verdict import LayerWrongOnItsOwn
+from magi_moe.verdict import LayerWrongOnItsOwn, cause_of
 
 from ..cache import draw_state
 from ..isolation import ROUTE_MODES, check_layer_row_isolation, check_row_isolation, poisoned_rows
@@ -50,7 +50,6 @@ def _row(impl: str, subject: str, check) -> Row:
         return Row(SECTION, subject, INFO, str(exc), impl=impl, skip=exc.reason())
     except Exception as exc:  # noqa: BLE001 -- reported, the audit goes on
         return Row(SECTION, subject, FAIL, f"raised {type(exc).__name__}: {exc}", impl=impl)
-    # wrong without the poison too: one root cause, counted under accuracy
-    clause = "accuracy" if result.inaccurate is not None else None
+    # wrong without the poison too: its cause is accuracy's (counted there where accuracy fails)
     return Row(SECTION, subject, PASS if result.ok else FAIL, result.text.splitlines()[0],
-               {"ratio": result.ratio}, impl=impl, clause=clause)
+               {"ratio": result.ratio}, impl=impl, cause=cause_of(result.inaccurate))
