@@ -40,6 +40,7 @@ except ImportError:  # the fuzz package is optional for the core suite
 # test_every_fused_kernel_addresses_rows_past_2_31).
 SLOW_ROWS = (
     # child pytest runs, 7-9 s each
+    "test_audit_extra.py::test_the_audit_runs_with_only_the_audit_extra",  # a child audit, 8 s
     "test_vacuous_runs.py::test_a_run_that_tested_something_passes",
     "test_vacuous_runs.py::test_a_plain_run_without_a_gpu_tests_the_kernels",
     "test_vacuous_runs.py::test_a_whole_run_that_tested_no_kernel_fails",
