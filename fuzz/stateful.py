@@ -56,7 +56,7 @@ from magi_moe.dirty_memory import handed_memory, reserve_for
 from magi_moe.implementation import Implementation
 from magi_moe.problems import Problem
 from magi_moe.routing import build_route_table, route
-from magi_moe.verdict import LayerWrongFromTheStart
+from magi_moe.verdict import LayerWrongOnItsOwn
 from magi_moe.weights import ExpertWeights
 
 from .tolerance import CAMPAIGN_FAILURE_PROBABILITY
@@ -413,9 +413,12 @@ class WeightSwapMachine(RuleBasedStateMachine):
         note(f"{what}: ratio {verdict.ratio:.3f}, packs {self.last_packs} -> {packs}")
         if not verdict.ok and self.forwards == 0 and self.changed == ["built from a state dict"]:
             # The first call on the weights the layer was built with: no change and no earlier
-            # call to blame, so the layer is simply wrong (the verdict counts it under accuracy).
-            raise LayerWrongFromTheStart(f"{what}, the layer's first call, does not match the "
-                                         f"reference on the weights it was built with: {verdict.text}")
+            # call to blame. The layer is wrong on its own (a wrong kernel, router or checkpoint
+            # mapping), which the clauses that judge a fresh layer report: this case is NOT RUN.
+            raise LayerWrongOnItsOwn(f"{what}, the layer's first call, does not match the "
+                                     f"reference on the weights it was built with (see the "
+                                     f"checkpoint, routing and accuracy rows): "
+                                     f"{verdict.text.splitlines()[0]}")
         self.forwards += 1
         assert verdict.ok, (f"{what} after [{since}] does not match the reference on the current "
                             f"weights (stale weights?): {verdict.text}")

@@ -175,9 +175,12 @@ def _everywhere_wrong():
 
 def test_a_first_call_already_wrong_counts_under_accuracy_not_history():
     """A kernel wrong on every call once failed the history row too ("after [built from a state
-    dict]"): one root cause, two FAIL rows. The first call has no earlier call to blame."""
+    dict]"): one root cause, two FAIL rows. The first call has no earlier call to blame: the
+    kernel entry's counts under accuracy, the layer's ends as NOT RUN (the clauses that judge a
+    fresh layer report it: accuracy here, routing for a wrong router, checkpoint for a wrong
+    mapping)."""
     from magi_moe.judge import Inaccurate
-    from magi_moe.verdict import INACCURATE, WRONG_FROM_THE_START, LayerWrongFromTheStart, cause_of
+    from magi_moe.verdict import INACCURATE, LayerWrongOnItsOwn, cause_of
 
     wrong = _everywhere_wrong()
     machine = serving_kernel_machine(wrong, config=CONFIG)
@@ -185,6 +188,5 @@ def test_a_first_call_already_wrong_counts_under_accuracy_not_history():
         drive(machine, 0, growing_steps(machine))
     assert cause_of(caught.value) == INACCURATE
     machine = serving_layer_machine(wrong, config=CONFIG)
-    with pytest.raises(LayerWrongFromTheStart, match="the layer's first call") as caught:
+    with pytest.raises(LayerWrongOnItsOwn, match="the layer's first call"):
         drive(machine, 0, growing_steps(machine))
-    assert cause_of(caught.value) == WRONG_FROM_THE_START
