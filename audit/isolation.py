@@ -134,10 +134,8 @@ class IsolationResult:
 
 
 def _judge_rows(out_rows: torch.Tensor, kept: torch.Tensor, clean: Problem, impl: Implementation | str,
-                what: str, failure_probability: float, alone=None) -> IsolationResult:
-    """Judge the clean rows ``out_rows`` (the tokens ``kept`` of the poisoned call); ``alone()``:
-    the output for the clean rows on their own, asked for when the judge fails them, so that
-    an implementation wrong without any poison is reported under accuracy."""
+                what: str, failure_probability: float) -> IsolationResult:
+    """Judge the clean rows ``out_rows`` (the tokens ``kept`` of the poisoned call)."""
     bad = ~torch.isfinite(out_rows)
     if bool(bad.any()):
         r, c = bad.nonzero()[0].tolist()
@@ -146,11 +144,6 @@ def _judge_rows(out_rows: torch.Tensor, kept: torch.Tensor, clean: Problem, impl
                                       f"{float(out_rows[r, c])}")
     verdict = judge(out_rows, clean, impl, failure_probability=failure_probability)
     if not verdict.ok:
-        if alone is not None:
-            failure = judge(alone(), clean, impl, failure_probability=failure_probability).failure(
-                f"{what}: the clean rows are as wrong on their own, without the poisoned rows: ")
-            if isinstance(failure, Inaccurate):
-                return IsolationResult(False, str(failure), verdict.ratio, failure)
         return IsolationResult(False, f"{what}: clean rows differ from the reference without the "
                                       f"poisoned rows: {verdict.text}", verdict.ratio)
     return IsolationResult(True, f"{what}: clean rows within the judge ({verdict.text})", verdict.ratio)
@@ -165,8 +158,14 @@ def check_row_isolation(impl: Implementation, problem: Problem, rows: torch.Tens
     poisoned, clean, kept = isolation_problems(problem, rows, poison, mode, seed=seed)
     out = run_poisoned(impl, poisoned)
     what = f"{impl.name}: {int(rows.sum())} of {problem.num_tokens} rows {poison}, routes {mode}"
-    return _judge_rows(out[kept], kept, clean, impl, what, failure_probability,
-                       alone=lambda: run_poisoned(impl, clean))
+    result = _judge_rows(out[kept], kept, clean, impl, what, failure_probability)
+    if not result.ok:  # one root cause, one row: as inaccurate with no poison, accuracy's finding
+        failure = judge(run_poisoned(impl, clean), clean, impl, failure_probability=failure_probability
+                        ).failure(f"{what}: the clean rows are as wrong on their own, without the "
+                                  f"poisoned rows: ")
+        if isinstance(failure, Inaccurate):
+            return IsolationResult(False, str(failure), result.ratio, failure)
+    return result
 
 
 def check_layer_row_isolation(impl: Implementation, config, state: dict, x: torch.Tensor,
@@ -194,7 +193,6 @@ def check_layer_row_isolation(impl: Implementation, config, state: dict, x: torc
     # a layer returns x's dtype: the oracle's layer rounds its float64 result once, which the
     # plain model (the cache audit's) bounds
     model = impl if y.dtype == impl.output_dtype(x.dtype) else FRESHNESS_MODEL
-
     result = _judge_rows(y[kept], kept, clean, model, what, failure_probability)
     if not result.ok:
         with torch.no_grad():

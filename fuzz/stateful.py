@@ -189,7 +189,6 @@ class WeightSwapMachine(RuleBasedStateMachine):
         missing = [n for n in ALL_TENSORS if n not in self.layer.state_dict()]
         assert not missing, f"layer.state_dict() lacks the released names {missing}"
         self.changed: list[str] = ["built from a state dict"]
-        self.forwards = 0  # judged calls so far: a failing first one is the layer's, not its history's
         self.invalidated, self.packed_changed = False, True
         self.last_packs = self._packs()
         note(f"layer {type(self.layer).__name__} via {self.factory_name}, {self.config.describe()}, "
@@ -411,7 +410,8 @@ class WeightSwapMachine(RuleBasedStateMachine):
         verdict = judge_on_state(y, x, self.layer.state_dict(), self.config, self.precision, rows=rows)
         since = ", ".join(self.changed) or "nothing"
         note(f"{what}: ratio {verdict.ratio:.3f}, packs {self.last_packs} -> {packs}")
-        if not verdict.ok and self.forwards == 0 and self.changed == ["built from a state dict"]:
+        # ``changed`` names only the build until the first judged forward (each resets it)
+        if not verdict.ok and self.changed == ["built from a state dict"]:
             # The first call on the weights the layer was built with: no change and no earlier
             # call to blame. The layer is wrong on its own (a wrong kernel, router or checkpoint
             # mapping), which the clauses that judge a fresh layer report: this case is NOT RUN.
@@ -419,7 +419,6 @@ class WeightSwapMachine(RuleBasedStateMachine):
                                      f"reference on the weights it was built with (see the "
                                      f"checkpoint, routing and accuracy rows): "
                                      f"{verdict.text.splitlines()[0]}")
-        self.forwards += 1
         assert verdict.ok, (f"{what} after [{since}] does not match the reference on the current "
                             f"weights (stale weights?): {verdict.text}")
         if packs is not None and self.last_packs is not None:
