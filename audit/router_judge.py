@@ -57,9 +57,9 @@ from magi_moe.routing import (NORM_EPS, route_probs, router_logits, scores_from_
                               select_experts)
 from magi_moe.validation import check_tensor
 
-__all__ = ["ROUTER_CHECKS", "WEIGHT_RULES", "Float64Routes", "ambiguous_heads", "RouterCheck", "RouterVerdict",
-           "float64_routes", "judge_router", "judge_router_call", "other_heads_redrawn",
-           "selection_margins"]
+__all__ = ["ROUTER_CHECKS", "WEIGHT_RULES", "Float64Routes", "RouterCheck", "RouterVerdict",
+           "ambiguous_heads", "float64_routes", "judge_router", "judge_router_call",
+           "other_heads_redrawn", "selection_margins"]
 
 U = 2.0 ** -24           # fp32 unit roundoff
 FP32_TINY = 2.0 ** -126  # fp32's smallest normal number: a GPU may flush below it

@@ -88,9 +88,10 @@ def skip_kind(reason) -> str:
 
 
 class LayerWrongOnItsOwn(unittest.SkipTest):
-    """A layer case (a serving stream, a weight swap, poisoned rows) whose failing call a fresh
-    layer, built from the same weights and given only the clean rows, fails alike: no earlier
-    call, change or poisoned row is to blame, so the case's own clause has nothing to judge.
+    """A layer case (a serving stream, a weight swap, poisoned rows) whose failure nothing of its
+    own explains: the layer's first call is already wrong, or a fresh layer built from the same
+    weights and given only the clean rows fails alike. No earlier call, change or poisoned row
+    is to blame, so the case's own clause has nothing to judge.
     The clauses that judge a fresh layer report it (checkpoint, routing, accuracy). A
     ``unittest.SkipTest``, so pytest and Hypothesis end the case as a skip (NOT RUN) wherever it
     is raised, without shrinking; the audit makes it a NOT RUN row (:meth:`reason`)."""
