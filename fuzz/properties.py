@@ -369,9 +369,9 @@ def _routed_pairs(table, num_tokens: int, num_heads: int, top_k: int) -> torch.T
 def _with_a_routed_bank_emptied(case: ExpertCase, p: Problem) -> tuple[ExpertCase, Problem]:
     """``(case, p)``, with the busiest bank added to the emptied ones when none of them held a
     route (``p``: the case's problem; its values are kept, only its table changes)."""
-    full = build_route_table(p.routes, case.config)
-    if p.table.num_routes < full.num_routes or not full.num_routes:
-        return case, p
+    if p.table.num_routes < p.routes.expert_ids.numel() or not p.table.num_routes:
+        return case, p  # a drawn bank held routes, or there are none to drop
+    full = p.table  # nothing was dropped: the case's table is the full one
     busiest = int(full.offsets.diff().argmax())
     case = dataclasses.replace(case, empty_banks=case.empty_banks + (busiest,))
     return case, dataclasses.replace(p, table=drop_banks(full, case.empty_banks))
@@ -399,7 +399,7 @@ def check_empty_experts(target: Target, case: ExpertCase) -> dict:
                 f"token {s} head {h} has no route (banks {list(case.empty_banks)} emptied) but its "
                 f"output is nonzero: y[{s}, {h * Dh + d}] = {float(per_pair[s, h, d]):.6g} "
                 f"({int(nonzero.any(-1).sum())} such (token, head) pairs)", record)
-        dropped = build_route_table(p.routes, cfg).num_routes - p.table.num_routes
+        dropped = p.routes.expert_ids.numel() - p.table.num_routes  # every route is S*H*K
         _exercised("empty_experts", None if dropped else "the emptied banks had no routes")
         metrics = _differential(target, p, out, record, "empty-experts error/bound")
         metrics["unrouted_pairs"] = int(unrouted.sum())
