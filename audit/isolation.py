@@ -134,15 +134,18 @@ class IsolationResult:
 
 
 def _judge_rows(out_rows: torch.Tensor, kept: torch.Tensor, clean: Problem, impl: Implementation | str,
-                what: str, failure_probability: float) -> IsolationResult:
-    """Judge the clean rows ``out_rows`` (the tokens ``kept`` of the poisoned call)."""
+                what: str, failure_probability: float,
+                poisoned: Problem | None = None) -> IsolationResult:
+    """Judge the clean rows ``out_rows`` (the tokens ``kept`` of the poisoned call, on the problem
+    ``poisoned`` where known: faithfulness then compares with its emulation's rows)."""
     bad = ~torch.isfinite(out_rows)
     if bool(bad.any()):
         r, c = bad.nonzero()[0].tolist()
         return IsolationResult(False, f"{what}: {int(bad.any(-1).sum())} of {out_rows.shape[0]} clean "
                                       f"rows are not finite, first token {int(kept[r])} at column {c}: "
                                       f"{float(out_rows[r, c])}")
-    verdict = judge(out_rows, clean, impl, failure_probability=failure_probability)
+    verdict = judge(out_rows, clean, impl, failure_probability=failure_probability,
+                    part_of=None if poisoned is None else (poisoned, kept))
     if not verdict.ok:
         return IsolationResult(False, f"{what}: clean rows differ from the reference without the "
                                       f"poisoned rows: {verdict.text}", verdict.ratio)
@@ -158,7 +161,7 @@ def check_row_isolation(impl: Implementation, problem: Problem, rows: torch.Tens
     poisoned, clean, kept = isolation_problems(problem, rows, poison, mode, seed=seed)
     out = run_poisoned(impl, poisoned)
     what = f"{impl.name}: {int(rows.sum())} of {problem.num_tokens} rows {poison}, routes {mode}"
-    result = _judge_rows(out[kept], kept, clean, impl, what, failure_probability)
+    result = _judge_rows(out[kept], kept, clean, impl, what, failure_probability, poisoned)
     if not result.ok:  # one root cause, one row: as inaccurate with no poison, accuracy's finding
         failure = judge(run_poisoned(impl, clean), clean, impl, failure_probability=failure_probability
                         ).failure(f"{what}: the clean rows are as wrong on their own, without the "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, MutableMapping
 
@@ -100,7 +101,12 @@ class Backend:
         return "".join(f"{v} " for v in self.process_env)
 
     def enable_here(self, env: MutableMapping[str, str] = os.environ) -> None:
-        """Set this backend's variables in ``env`` (this process: before kernels are imported)."""
+        """Set this backend's variables in ``env``. This process's own environment is left as it
+        is once magi-moe's kernels are imported: decoration has read the flag, and kernels
+        decorated later the other way could not call the earlier ones ("Cannot call @triton.jit'd
+        outside of the scope of a kernel"); the backend's availability then says why."""
+        if env is os.environ and "magi_moe.kernels" in sys.modules:
+            return
         for variable in self.process_env:
             name, _, value = variable.partition("=")
             env[name] = value

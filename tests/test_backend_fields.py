@@ -6,6 +6,8 @@ defaults are picked in."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import types
 
 import pytest
@@ -88,6 +90,8 @@ def test_the_audit_command_follows_the_fields(fake, monkeypatch, tmp_path):
         return 0
 
     monkeypatch.setattr(Audit, "run", run)
+    # as in a fresh process: once kernels are decorated, the process's flags stay as they are
+    monkeypatch.delitem(sys.modules, "magi_moe.kernels", raising=False)
     threads = torch.get_num_threads()
     assert main(["--backend", fake.name, "--out", str(tmp_path)]) == 0
     assert seen == {"threads": 2, "variable": "1", "tokens": 40}
@@ -117,6 +121,22 @@ def test_child_processes_get_their_backends_variables(fake, monkeypatch):
     interpreted = child_env("interpret")
     assert interpreted["TRITON_INTERPRET"] == "1" and VARIABLE not in interpreted
     assert fake.env_prefix() == f"{VARIABLE}=1 "
+
+
+def test_the_process_flag_stays_once_the_kernels_are_decorated(monkeypatch):
+    """An in-process audit or replay for the interpreter, after compiled kernels were imported,
+    had set TRITON_INTERPRET: kernels decorated later were interpreted and could not call the
+    earlier ones (a self-check "Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    pytest.importorskip("triton")
+    import magi_moe.kernels  # noqa: F401  (decorated now, whichever way this process started)
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    BACKENDS["interpret"].enable_here()
+    assert "TRITON_INTERPRET" not in os.environ
+    assert BACKENDS["interpret"].skip_reason() is not None  # and the backend says why
+    child = {}
+    BACKENDS["interpret"].enable_here(child)  # another process's environment is still set
+    assert child == {"TRITON_INTERPRET": "1"}
 
 
 def test_defaults_are_picked_by_speed(fake):

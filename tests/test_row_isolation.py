@@ -229,3 +229,42 @@ def test_an_inaccurate_kernel_is_not_reported_as_a_leak():
         broken.per_expert_scale.fit(preset("tiny")), TOKENS, seed=40, device="cpu"), _rows(40), "mixed", "own",
         seed=41)]
     assert not leaks[0].ok and leaks[0].inaccurate is None, leaks[0].text
+
+
+def test_an_oracle_whose_sums_follow_the_call_shape_is_isolated(monkeypatch):
+    """The float64 reference on the H200 failed row isolation ("FAILED on faithfulness") when
+    poisoned rows shared its experts: cuBLAS picks a float64 GEMM's kernel by the row count, so
+    the clean rows differ in the last bit from the reference run on them alone. Simulated here
+    by an oracle that rounds one ulp up on calls with more routes than the clean problem's: the
+    clean rows are held to the emulation of the call they were part of, bitwise; an output one
+    ulp off that call's emulation still fails."""
+    import dataclasses
+
+    from magi_moe.impls import REFERENCE
+    from magi_moe.judge import accuracy
+
+    real = accuracy.expert_reference
+    problem = random_problem(preset("tiny"), TOKENS, seed=40, device="cpu")
+    rows = _rows(40)
+    clean_routes = int((~rows).sum()) * problem.config.num_heads * problem.config.top_k
+
+    def shape_ordered(x, table, weights, config, *, precision="float64", **kw):
+        y = real(x, table, weights, config, precision=precision, **kw)
+        more = table.gather_ids.numel() > clean_routes
+        return torch.nextafter(y, torch.full_like(y, torch.inf)) if more else y
+
+    def forward(x, table, weights, config, *, out, shift=0):
+        y = shape_ordered(x, table, weights, config)
+        for _ in range(shift):
+            y = torch.nextafter(y, torch.full_like(y, torch.inf))
+        return out.copy_(y)
+
+    monkeypatch.setattr(accuracy, "expert_reference", shape_ordered)
+    oracle = dataclasses.replace(REFERENCE, name="shape-ordered", forward=forward)
+    for mode in ("own", "shared"):
+        result = check_row_isolation(oracle, problem, rows, "mixed", mode, seed=41)
+        assert result.ok, result.text
+    off = dataclasses.replace(oracle, name="one-ulp-off",
+                              forward=lambda *a, out: forward(*a, out=out, shift=1))
+    result = check_row_isolation(off, problem, rows, "mixed", "shared", seed=41)
+    assert not result.ok and "faithfulness" in result.text, result.text

@@ -7,6 +7,7 @@ The correct counterparts pass the same streams in tests/test_history.py's rows."
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -44,7 +45,12 @@ def replay_line(exc: BaseException) -> str:
 def replay_in_process(line: str) -> int:
     argv = shlex.split(line)
     assert argv[:3] == REPLAY_COMMAND.split(), line
-    return serving_replay.main(argv[3:])
+    before = dict(os.environ)  # the replay sets its backend's flag for the process it runs in
+    try:
+        return serving_replay.main(argv[3:])
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
 
 
 @pytest.fixture

@@ -275,9 +275,13 @@ def reordered_problem(problem: Problem, seed: int | None) -> Problem:
 
 
 def _faithfulness(out: torch.Tensor, problem: Problem, ref: torch.Tensor, precision: str,
-                  how: str) -> Check:
+                  how: str, part_of: tuple[Problem, torch.Tensor] | None = None) -> Check:
     p = problem
-    emulated = expert_reference(p.x, p.table, p.weights, p.config, precision=precision)
+    if part_of is None:
+        emulated = expert_reference(*_fields(p), precision=precision)
+    else:  # the emulation of the call ``out`` was part of: GEMMs pick their order by shape
+        whole, rows = part_of
+        emulated = expert_reference(*_fields(whole), precision=precision)[rows.to(whole.x.device)]
     emulated = emulated.to(out.device)
     if how == "exact":
         differ = int((out != emulated).sum())
@@ -333,14 +337,20 @@ def _fields(problem: Problem) -> tuple:
 @torch.no_grad()  # a live layer's outputs and routes may carry autograd history
 def judge(out: torch.Tensor, problem: Problem, impl: Implementation | PrecisionModel | str, *,
           bounds: ErrorBounds | None = None, baseline: torch.Tensor | None = None,
-          failure_probability: float = DEFAULT_FAILURE_PROBABILITY, label: str = "") -> Verdict:
+          failure_probability: float = DEFAULT_FAILURE_PROBABILITY, label: str = "",
+          part_of: tuple[Problem, torch.Tensor] | None = None) -> Verdict:
     """Judge ``out`` ``[S, H*Dh]``, the output of ``impl`` (an Implementation, whose declared
     precision model is used, or a model or its name) on ``problem``; see the module docstring.
 
     ``bounds``: precomputed for this problem and model (else computed, cached per problem);
     ``baseline``: :data:`~magi_moe.impls.BASELINE`'s output on this problem (else computed);
     ``failure_probability``: the probabilistic bounds' false-alarm probability for the whole
-    output (campaigns of many cases pass a smaller one); ``label``: added to the subject.
+    output (campaigns of many cases pass a smaller one); ``label``: added to the subject;
+    ``part_of``: ``(whole, rows)`` when ``out`` is the rows ``rows`` of a call on the larger
+    problem ``whole`` (row isolation): bounds and baseline are ``problem``'s, and faithfulness
+    compares with ``whole``'s emulation, whose GEMM shapes, and so summation order, the call
+    shared (cuBLAS picks a float64 GEMM's kernel by its row count: on the H200 the float64
+    reference's rows differ in the last bit when an expert has more rows beside them).
     Raises ValueError for an ``out`` of the wrong shape, and its subclass :class:`InvalidProblem`
     for a problem whose float64 reference is not finite."""
     if not isinstance(problem, Problem):
@@ -378,5 +388,5 @@ def judge(out: torch.Tensor, problem: Problem, impl: Implementation | PrecisionM
         checks.append(_baseline(out, ref, baseline))
     promise = FAITHFUL.get(model.name)
     if promise is not None and (coarse or promise[1] == "exact"):
-        checks.append(_faithfulness(out, problem, ref, *promise))
+        checks.append(_faithfulness(out, problem, ref, *promise, part_of=part_of))
     return Verdict(subject, tuple(checks), report)
