@@ -439,15 +439,51 @@ def record_for(machine: type, seed: int, steps: Sequence[Sequence]) -> dict:
 
 def drive(machine: type, seed: int, steps: Sequence[Sequence]) -> _Logged:
     """Run ``steps`` (``[op, *args]``, as a machine logs them) on a fresh instance of
-    ``machine`` built from ``seed``; raises what the failing step raised."""
+    ``machine`` built from ``seed``; raises what the failing step raised, or, where that step
+    alone on a fresh instance fails as its first call, what that raises (below)."""
     m = machine()
     try:
         m.build(seed)
-        for op, *args in steps:
-            m._logged(op, *args)
+        for i, (op, *args) in enumerate(steps):
+            try:
+                m._logged(op, *args)
+            except AssertionError as exc:
+                _raise_if_wrong_alone(machine, seed, steps[:i], [op, *args], exc)
+                raise
     finally:
         m.teardown()
     return m
+
+
+# The steps that change no weight and make one call: repeated alone, they are a first call.
+_SINGLE_CALLS = ("call", "forward", "dirty")
+
+
+def _raise_if_wrong_alone(machine: type, seed: int, before: Sequence[Sequence], step: list,
+                          failure: AssertionError) -> None:
+    """One root cause, one row: a call that failed in the middle of a stream is repeated alone
+    on a fresh instance, where it is the first call. Wrong there too, it says nothing about
+    history: the first-call rule's exception (the kernel entry: ``Inaccurate``, counted under
+    accuracy; a layer: ``LayerWrongOnItsOwn``, NOT RUN) is raised instead, its replay line
+    that of the call alone. Only for deterministic drives: inside a Hypothesis run the extra
+    call would change an implementation's own caches between the examples it compares."""
+    from magi_moe.judge import Inaccurate
+    from magi_moe.verdict import LayerWrongOnItsOwn
+
+    if step[0] not in _SINGLE_CALLS or any(s[0] not in _SINGLE_CALLS for s in before):
+        return  # a weight change came first: the fresh instance would call other weights
+    fresh = machine()
+    try:
+        fresh.build(seed)
+        fresh._logged(*step)
+    except (Inaccurate, LayerWrongOnItsOwn) as alone:
+        alone.add_note(f"  (step {len(before) + 1} of the stream, {step[0]}{tuple(step[1:])}, "
+                       f"failed; alone on a fresh instance it fails as its first call)")
+        raise alone from failure
+    except Exception:  # noqa: BLE001 -- anything else: the stream's own failure stands
+        return
+    finally:
+        fresh.teardown()
 
 
 def growing_steps(machine: type, *, seed: int = 0, change: str | None = "load_state_dict") -> list:

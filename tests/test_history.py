@@ -66,3 +66,29 @@ def test_random_serving_streams(impl_backend, request):
     _layer_judged_elsewhere(target, request)
     run_state_machine_as_test(serving_layer_machine(target.impl, config=config,
                                                     device=target.device), settings=quick)
+
+
+
+def test_the_audit_row_of_a_layer_wrong_from_its_first_call_is_not_run(tmp_path):
+    """One root cause, one row: a kernel off by half on every row serves a wrong first call
+    through its layer too. The audit's history row for the layer had been a FAIL beside the
+    accuracy rows that report the kernel; it is NOT RUN (the clauses judging a fresh layer say
+    it), and the kernel-entry row carries the accuracy cause."""
+    import dataclasses
+
+    from magi_moe.audit.report import Audit, AuditOptions
+    from magi_moe.audit.rows import FAIL, INFO
+    from magi_moe.audit.sections import history
+    from magi_moe.examples.kernel import IMPL, loop_forward
+    from magi_moe.verdict import INACCURATE, NOT_RUN, skip_kind
+
+    def half_again(x, table, weights, config, *, out):
+        return loop_forward(x, table, weights, config, out=out).mul_(1.5)
+
+    impl = dataclasses.replace(IMPL, name="half-again", forward=half_again)
+    audit = Audit(AuditOptions(backend="cpu", impls=[impl], tokens=16, out=tmp_path))
+    rows = {r.subject.split(": ", 1)[1]: r for r in history.run(audit)}
+    layer, kernel = rows["own layer (impl.layer)"], rows["kernel entry, weights held fixed"]
+    assert layer.status == INFO and skip_kind(layer.skip) == NOT_RUN, layer
+    assert "first call" in layer.result
+    assert kernel.status == FAIL and kernel.cause == INACCURATE, kernel

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator
 
-from magi_moe.verdict import cause_of
+from magi_moe.verdict import LayerWrongOnItsOwn, cause_of
 
-from ..rows import FAIL, PASS, SKIP, Row
+from ..rows import FAIL, INFO, PASS, SKIP, Row
 from .layer_shapes import layer_config
 
 if TYPE_CHECKING:
@@ -27,6 +27,9 @@ def _stream_row(impl, what: str, machine) -> Row:
     subject = f"{impl.name}: {what}"
     try:
         drive(machine, 0, steps)
+    except LayerWrongOnItsOwn as exc:  # reported by the clauses that judge a fresh layer
+        return Row(SECTION, subject, INFO, str(exc).strip().splitlines()[0], impl=impl.name,
+                   skip=exc.reason())
     except Exception as exc:  # noqa: BLE001 -- the finding, reported as a row
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         notes = [n.strip() for n in getattr(exc, "__notes__", ()) if "reproduce:" in n]
