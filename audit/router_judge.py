@@ -188,12 +188,20 @@ def ambiguous_heads(ref: Float64Routes, config: MoEConfig) -> torch.Tensor:
         return torch.zeros(S, H, dtype=torch.bool)
     chosen = torch.zeros(S, H, E, dtype=torch.bool).scatter_(-1, ref.expert_ids, True)
     unchosen_ids = (~chosen).nonzero()[:, 2].reshape(S, H, E - K)
-    sc, su = torch.gather(ref.selection, -1, ref.expert_ids), torch.gather(ref.selection, -1, unchosen_ids)
-    mc, mu = torch.gather(ref.margin, -1, ref.expert_ids), torch.gather(ref.margin, -1, unchosen_ids)
-    a, b = sc[..., :, None], su[..., None, :]
-    slack = mc[..., :, None] + mu[..., None, :]
+    a, b, slack = _score_pairs(ref, ref.expert_ids, unchosen_ids)
     near = (a - slack <= b) & (a != b) & torch.isfinite(a) & torch.isfinite(b)
     return near.flatten(2).any(-1)
+
+
+def _score_pairs(ref: Float64Routes, left: torch.Tensor, right: torch.Tensor):
+    """Every (left, right) pair of experts of one (token, head): the selection scores of
+    ``left`` ``[S, H, L]`` as ``[S, H, L, 1]`` and of ``right`` ``[S, H, M]`` as ``[S, H, 1, M]``,
+    and the pair's two fp32 rounding margins summed ``[S, H, L, M]`` (the two scores' intervals
+    overlap where they are that close)."""
+    sel, margin = ref.selection, ref.margin
+    a, b = torch.gather(sel, -1, left)[..., :, None], torch.gather(sel, -1, right)[..., None, :]
+    slack = torch.gather(margin, -1, left)[..., :, None] + torch.gather(margin, -1, right)[..., None, :]
+    return a, b, slack
 
 
 # -- the checks ------------------------------------------------------------------------------------
@@ -247,13 +255,10 @@ def _choice_checks(ids: torch.Tensor, ref: Float64Routes, config: MoEConfig) -> 
     extra = ~member(want, ids)     # chosen, not in the float64 top-K   [S, H, K]
     missed = ~member(ids, want)    # in the float64 top-K, not chosen
     pair = extra[..., :, None] & missed[..., None, :]
-    sc, su = torch.gather(sel, -1, ids), torch.gather(sel, -1, want)
-    mc, mu = torch.gather(margin, -1, ids), torch.gather(margin, -1, want)
-    nan_c, nan_u = torch.isnan(sc)[..., :, None], torch.isnan(su)[..., None, :]
-    a, b = sc[..., :, None], su[..., None, :]
+    a, b, slack = _score_pairs(ref, ids, want)
+    nan_c, nan_u = torch.isnan(a), torch.isnan(b)
     tie = pair & ((nan_c & nan_u) | (a == b))
     nan_first = pair & nan_c & ~nan_u
-    slack = mc[..., :, None] + mu[..., None, :]
     within = (a + slack >= b) | ~torch.isfinite(slack)  # the two fp32 intervals overlap
     near = pair & ~tie & ~nan_first & ~nan_u & within
     wrong = pair & ~tie & ~nan_first & ~near
