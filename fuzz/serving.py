@@ -345,11 +345,11 @@ class ServingKernelMachine(_Logged, RuleBasedStateMachine):
         what = f"call {self.calls} ({tokens} tokens" + (
             f", {int((~real).sum())} rows {kind})" if picks else ")")
         note(f"{what}: ratio {verdict.ratio:.3f}")
-        if self.calls == 1 and isinstance(verdict.failure(), Inaccurate):
+        failure = verdict.failure(f"{what}, the first call, does not match the reference: ")
+        if self.calls == 1 and isinstance(failure, Inaccurate):
             # the first call: no earlier call to keep a plan or workspace from, so the kernel is
             # simply inaccurate (the verdict counts it under accuracy where accuracy fails)
-            raise Inaccurate(f"{what}, the first call, does not match the reference: {verdict.text}",
-                             verdict.criterion)
+            raise failure
         assert verdict.ok, (f"{what} on weights held fixed does not match the reference (a plan "
                             f"or workspace kept from an earlier call?): {verdict.text}")
 
