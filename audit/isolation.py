@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from magi_moe.implementation import Implementation
+from magi_moe.judge import Inaccurate, judge
+from magi_moe.judge.bounds import DEFAULT_FAILURE_PROBABILITY
 from magi_moe.problems import Problem, run_poisoned
 from magi_moe.routing import Routes, build_route_table
 from magi_moe.verdict import LayerWrongOnItsOwn
-
-from magi_moe.judge import Inaccurate, judge
-from magi_moe.judge.bounds import DEFAULT_FAILURE_PROBABILITY
 
 __all__ = ["POISONS", "ROUTE_MODES", "IsolationResult", "check_layer_row_isolation",
            "check_row_isolation", "isolation_problems", "poison_rows", "poisoned_rows"]
