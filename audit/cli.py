@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from magi_moe.arguments import OneLineParser, refuse
-from magi_moe.backends import BACKENDS, get_backend
+from magi_moe.backends import BACKENDS, get_backend, kernels_decorated
 
 # The prefix of its usage and error lines, as it was started: the console script or python -m.
 PROG = "magi-moe audit" if Path(sys.argv[0] if sys.argv else "").name == "magi-moe" else "python -m audit"
@@ -75,7 +75,7 @@ def enable_interpreter_for_cpu(argv: list[str] | None = None) -> None:
     wanted = kernels_on and not args.no_kernels and importlib.util.find_spec("triton") is not None
     if not wanted or get_backend(kernels_on).available:
         return
-    if any(m.startswith("magi_moe.kernels") for m in sys.modules):
+    if kernels_decorated():
         print("audit: the Triton kernels were imported before the interpreter could be enabled; "
               "set TRITON_INTERPRET=1 before starting Python to audit them on the CPU", file=sys.stderr)
         return

@@ -16,6 +16,12 @@ from typing import Callable, Mapping, MutableMapping
 import torch
 
 
+def kernels_decorated() -> bool:
+    """Whether magi-moe's Triton kernels are imported in this process: decoration has read the
+    interpreter flag, so changing it now would not change how they run."""
+    return "magi_moe.kernels" in sys.modules
+
+
 def interpreter_enabled() -> bool:
     """True when Triton kernels run under the CPU interpreter (read at kernel decoration)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -105,7 +111,7 @@ class Backend:
         is once magi-moe's kernels are imported: decoration has read the flag, and kernels
         decorated later the other way could not call the earlier ones ("Cannot call @triton.jit'd
         outside of the scope of a kernel"); the backend's availability then says why."""
-        if env is os.environ and "magi_moe.kernels" in sys.modules:
+        if env is os.environ and kernels_decorated():
             return
         for variable in self.process_env:
             name, _, value = variable.partition("=")
