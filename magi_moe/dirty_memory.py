@@ -10,39 +10,33 @@ on fresh memory. :func:`handed_memory` makes the memory a call allocates read as
   pool, made first so the call's requests are carved from filled blocks, not fresh ones) is
   claimed, filled with ``0xFF`` bytes (NaN in every float dtype, -1 in every integer one) and
   freed back. Cost: one allocator snapshot, one fill per free block (a few ms on an H200).
-* CPU (glibc): ``mallopt(M_PERTURB)`` for the duration of the call, so glibc fills every block
-  it hands out, heap or freshly mmapped, with ``0xFE`` bytes (-1.7e38 in float32 and bfloat16,
-  NaN in float16). glibc cannot fill with ``0xFF`` (its perturb byte 0 means "off"). Blocks of
-  up to 1032 bytes come from the thread's cache (tcache) unfilled, so the calling thread's cache
-  is drained first (held, freed after the call); glibc 2.38 and later serve torch's aligned
-  allocations from it too.
+* CPU: torch's own allocator switch (c10's ``caffe2_cpu_allocator_do_junk_fill``, set through
+  ``libc10``'s exported flag for the duration of the call) fills every CPU tensor torch allocates,
+  in any thread, from any malloc path, with the 4-byte pattern ``0x7FEDBEEF`` (NaN in float32;
+  NaN and -0.47 in bfloat16 pairs; 1.7e308 in float64; huge in every integer dtype). Not glibc's
+  perturb byte: glibc hands out blocks from its thread cache, and exact fits from its unsorted
+  bin, without filling them, so a small tensor could still come back holding earlier data.
 
 ``MAGI_MOE_FRESH_MEMORY=1`` turns it off (debugging only: a finding that goes away with it is
-an unwritten element). ``zeroed=True`` fills with zeros instead: what fresh memory looks like,
-for controls that must show a bug hidden on fresh memory.
+an unwritten element). ``zeroed=True`` fills with zeros instead (on the CPU, c10's zero-fill
+switch): what fresh memory looks like, for controls that must show a bug hidden on fresh memory.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
+import sys
 from typing import Iterator
 
 import torch
 
 OFF_ENV = "MAGI_MOE_FRESH_MEMORY"
 CUDA_FILL = 0xFF          # NaN in every float dtype
-CPU_FILL = 0xFE           # glibc fills with perturb ^ 0xFF: the perturb byte is 0x01
+CPU_FILL = 0x7FEDBEEF     # c10's junk pattern, per 4 bytes (little-endian in memory)
 SMALL_RESERVE = 32 << 20  # small-pool bytes (requests <= 1 MiB) made ready before each call
 MAX_RESERVE = 4 << 30     # large-pool bytes at most (huge-input cases would ask for more)
 _SMALL_REQUEST = 1 << 20  # the caching allocator's largest small-pool request
-_M_PERTURB = -6           # glibc's mallopt parameter
-# glibc's thread cache: 64 size classes of 16 bytes (blocks up to 1032 bytes), 7 blocks each
-# (glibc.malloc.tcache_count). A class is drained once two blocks in a row come back filled (a
-# block from the cache comes back unfilled; taking one from a bin may refill the cache).
-_TCACHE_SIZES = range(8, 1033, 16)
-_MAX_DRAINED = 64  # blocks per class at most
 
 
 def enabled() -> bool:
@@ -66,8 +60,8 @@ def handed_memory(device: torch.device | str, *, reserve_bytes: int = 0,
     elif device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         fill_free_cuda_blocks(device, 0 if zeroed else CUDA_FILL, reserve_bytes)
         yield
-    elif device.type == "cpu" and _mallopt() is not None:
-        with _glibc_perturb(0xFF if zeroed else CPU_FILL ^ 0xFF):
+    elif device.type == "cpu" and _c10_fill_switches() is not None:
+        with _cpu_fill("zero" if zeroed else "junk"):
             yield
     else:
         yield
@@ -80,78 +74,47 @@ def reach(device: torch.device | str) -> str:
         return f"off ({OFF_ENV} is set)"
     if device.type == "cuda":
         return "every free block of the caching allocator's default pool, filled with 0xFF (NaN)"
-    if device.type == "cpu" and _mallopt() is not None:
-        return "every block glibc malloc hands out during the call, filled with 0xFE"
-    return "nothing (no glibc malloc on this CPU)"
+    if device.type == "cpu" and _c10_fill_switches() is not None:
+        return "every CPU tensor torch allocates during the call, filled with 0x7FEDBEEF (NaN)"
+    return "nothing (this torch build's libc10 exports no fill switch)"
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU: glibc's perturb byte
+# CPU: c10's fill switches
 # ---------------------------------------------------------------------------------------------
-_libc = None
+_C10_LIBRARY = {"darwin": "libc10.dylib", "win32": "c10.dll"}.get(sys.platform, "libc10.so")
+_switches = None
 
 
-def _glibc():
-    """glibc, or None (another C library: musl, macOS, Windows)."""
-    global _libc
-    if _libc is None:
+def _c10_fill_switches() -> dict[str, ctypes.c_bool] | None:
+    """c10's two CPU allocator switches, ``{"junk": ..., "zero": ...}``, or None where this
+    torch build does not export them (the allocator reads both on every allocation)."""
+    global _switches
+    if _switches is None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            libc.gnu_get_libc_version  # only glibc has it (and its M_PERTURB)
-            libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-            libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
-            libc.memcmp.restype = ctypes.c_int
-            libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-            _libc = libc
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc or None
-
-
-def _mallopt():
-    """glibc's ``mallopt``, or None."""
-    libc = _glibc()
-    return libc.mallopt if libc else None
-
-
-def _environment_perturb() -> int:
-    """The perturb byte the process started with (``MALLOC_PERTURB_``), restored afterwards."""
-    try:
-        return int(os.environ.get("MALLOC_PERTURB_", "0")) & 0xFF
-    except ValueError:
-        return 0
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", _C10_LIBRARY))
+            _switches = {kind: ctypes.c_bool.in_dll(lib, f"FLAGS_caffe2_cpu_allocator_do_{kind}_fill")
+                         for kind in ("junk", "zero")}
+        except (OSError, ValueError):
+            _switches = False
+    return _switches or None
 
 
 @contextlib.contextmanager
-def _glibc_perturb(byte: int) -> Iterator[None]:
-    # Process-wide while set: other threads' allocations are filled too (harmless, they own them).
-    libc = _glibc()
-    libc.mallopt(_M_PERTURB, byte)
-    drained = _drain_thread_cache(libc, byte ^ 0xFF)
+def _cpu_fill(kind: str) -> Iterator[None]:
+    # Process-wide while set: other threads' tensors are filled too (harmless, they own them).
+    # c10 aborts the process if it finds both switches on, so the other is turned off first.
+    switches = _c10_fill_switches()
+    before = {k: bool(s.value) for k, s in switches.items()}
+    other = "zero" if kind == "junk" else "junk"
+    switches[other].value = False
+    switches[kind].value = True
     try:
         yield
     finally:
-        for block in drained:
-            libc.free(block)
-        libc.mallopt(_M_PERTURB, _environment_perturb())
-
-
-def _drain_thread_cache(libc, fill: int) -> list[int]:
-    """Take every block of the calling thread's malloc cache (the caller frees them after the
-    call), so that the call's small blocks come from glibc's bins, which fill them. Nothing
-    here allocates with malloc while draining (Python objects would be freed into the cache)."""
-    held = (ctypes.c_void_p * (len(_TCACHE_SIZES) * _MAX_DRAINED))()
-    want = ctypes.create_string_buffer(bytes([fill]) * _TCACHE_SIZES[-1])
-    count = 0
-    for size in _TCACHE_SIZES:
-        filled = 0
-        for _ in range(_MAX_DRAINED):
-            held[count] = block = libc.malloc(size)
-            count += 1
-            filled = filled + 1 if libc.memcmp(block, want, size) == 0 else 0
-            if filled == 2:
-                break
-    return list(held[:count])
+        switches[kind].value = False
+        switches[other].value = before[other]
+        switches[kind].value = before[kind]
 
 
 # ---------------------------------------------------------------------------------------------

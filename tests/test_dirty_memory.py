@@ -14,14 +14,14 @@ from magi_moe.impls import FUSED, REFERENCE, TORCH_BF16
 from magi_moe.problems import random_problem, run_poisoned
 from magi_moe.tests.dirty_memory_broken import UNZEROED_EMPTY_EXPERT
 
-SIZES = [4, 64, 1000, 65536, 1 << 20, 3 << 20, 8 << 20, 64 << 20]  # bytes: tcache to mmap
+SIZES = [4, 64, 1000, 65536, 1 << 20, 3 << 20, 8 << 20, 64 << 20]  # bytes: malloc's cache to mmap
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request) -> torch.device:
     if request.param == "cpu":
-        if dm._mallopt() is None:
-            pytest.skip("no glibc malloc: dirty memory reaches nothing on this CPU")
+        if dm._c10_fill_switches() is None:
+            pytest.skip(f"dirty memory reaches {dm.reach('cpu')}")
         return torch.device("cpu")
     why = BACKENDS["cuda"].unavailable_reason()
     if why:
@@ -34,8 +34,12 @@ def dirty_on(monkeypatch):
     monkeypatch.delenv(dm.OFF_ENV, raising=False)
 
 
-def _fill(device: torch.device) -> int:
-    return dm.CUDA_FILL if device.type == "cuda" else dm.CPU_FILL
+def _is_poison(got: torch.Tensor) -> torch.Tensor:
+    """Per byte of a uint8 tensor: the fill the device's dirty memory writes there."""
+    if got.device.type == "cuda":
+        return got == dm.CUDA_FILL
+    pattern = torch.tensor([dm.CPU_FILL], dtype=torch.int32).view(torch.uint8)
+    return got == pattern.repeat(got.numel() // 4 + 1)[: got.numel()]
 
 
 def _used_then_empty(device: torch.device, nbytes: int, **handed) -> torch.Tensor:
@@ -50,42 +54,45 @@ def test_every_block_handed_out_is_poison(device, dirty_on, nbytes):
     """Small and large blocks, reused and freshly mapped (64 MiB: above glibc's largest mmap
     threshold, zeroed pages without the switch): every byte is the fill byte."""
     got = _used_then_empty(device, nbytes)
-    assert bool((got == _fill(device)).all()), f"{int((got != _fill(device)).sum())} bytes not poisoned"
+    assert bool(_is_poison(got).all()), f"{int((~_is_poison(got)).sum())} bytes not poisoned"
 
 
-@pytest.mark.parametrize("nbytes", [24, 200, 1000])
-def test_the_threads_malloc_cache_is_drained(dirty_on, nbytes):
-    """glibc hands blocks of up to 1032 bytes from the thread's cache without filling them (and
-    glibc 2.38+ serves torch's aligned allocations from it): drained first, they come back
-    poisoned too."""
-    import ctypes
-
-    libc = dm._glibc()
-    if libc is None:
-        pytest.skip("no glibc malloc")
-    used = libc.malloc(nbytes)
-    ctypes.memset(used, 1, nbytes)
-    libc.free(used)  # into the thread's cache, holding ones
+@pytest.mark.parametrize("nbytes", [4, 64, 1000])
+def test_small_blocks_glibc_keeps_in_its_caches_are_poison_too(dirty_on, nbytes):
+    """glibc hands small blocks back from its thread cache, and exact fits from its unsorted bin,
+    without its perturb fill; many of them in a row, each freed holding ones, all come back as
+    poison (the allocator fills what it is given, wherever glibc found it)."""
+    held = [torch.full((nbytes,), 1, dtype=torch.uint8) for _ in range(64)]
+    del held[::2]  # freed in between live blocks: cached and binned, not merged away
     with dm.handed_memory("cpu"):
-        block = libc.malloc(nbytes)
-    try:
-        assert ctypes.string_at(block, nbytes) == bytes([dm.CPU_FILL]) * nbytes
-    finally:
-        libc.free(block)
+        got = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(64)]
+    assert all(bool(_is_poison(g).all()) for g in got)
+
+
+def test_the_switches_are_restored_and_never_both_on(dirty_on):
+    """c10 aborts the process when it finds both fill switches on: nesting a zeroed call inside
+    a dirty one (and back) keeps one on at a time and restores the one before."""
+    switches = dm._c10_fill_switches()
+    if switches is None:
+        pytest.skip(f"dirty memory reaches {dm.reach('cpu')}")
+    with dm.handed_memory("cpu"):
+        with dm.handed_memory("cpu", zeroed=True):
+            assert (switches["junk"].value, switches["zero"].value) == (False, True)
+            assert bool((torch.empty(100, dtype=torch.uint8) == 0).all())
+        assert (switches["junk"].value, switches["zero"].value) == (True, False)
+    assert (switches["junk"].value, switches["zero"].value) == (False, False)
 
 
 def test_a_block_never_used_is_poison_too(device, dirty_on):
     """A request larger than any free block: carved from the reserve (CUDA) or mapped (CPU)."""
     with dm.handed_memory(device, reserve_bytes=200 << 20):
         got = torch.empty(150 << 20, dtype=torch.uint8, device=device)
-    assert bool((got == _fill(device)).all())
+    assert bool(_is_poison(got).all())
 
 
 def test_fresh_memory_is_zero_without_it(monkeypatch):
     """What the switch is for, measured on the CPU: a 64 MiB block is freshly mapped and reads
     as zeros, so an unwritten element there hides."""
-    if dm._mallopt() is None:
-        pytest.skip("no glibc malloc")
     monkeypatch.setenv(dm.OFF_ENV, "1")
     got = _used_then_empty(torch.device("cpu"), 64 << 20)
     assert bool((got == 0).all())
