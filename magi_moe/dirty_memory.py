@@ -75,7 +75,7 @@ def reach(device: torch.device | str) -> str:
     if device.type == "cuda":
         return "every free block of the caching allocator's default pool, filled with 0xFF (NaN)"
     if device.type == "cpu" and _c10_fill_switches() is not None:
-        return "every CPU tensor torch allocates during the call, filled with 0x7FEDBEEF (NaN)"
+        return "every CPU tensor torch allocates during the call, filled with 0x7FEDBEEF (NaN in float32)"
     return "nothing (this torch build's libc10 exports no fill switch)"
 
 
