@@ -75,7 +75,8 @@ def reach(device: torch.device | str) -> str:
     if device.type == "cuda":
         return "every free block of the caching allocator's default pool, filled with 0xFF (NaN)"
     if device.type == "cpu" and _c10_fill_switches() is not None:
-        return "every CPU tensor torch allocates during the call, filled with 0x7FEDBEEF (NaN in float32)"
+        return ("every CPU tensor torch allocates during the call, filled with 0x7FEDBEEF "
+                "(NaN in float32)")
     return "nothing (this torch build's libc10 exports no fill switch)"
 
 
@@ -93,8 +94,9 @@ def _c10_fill_switches() -> dict[str, ctypes.c_bool] | None:
     if _switches is None:
         try:
             lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", _C10_LIBRARY))
-            _switches = {kind: ctypes.c_bool.in_dll(lib, f"FLAGS_caffe2_cpu_allocator_do_{kind}_fill")
-                         for kind in ("junk", "zero")}
+            _switches = {
+                kind: ctypes.c_bool.in_dll(lib, f"FLAGS_caffe2_cpu_allocator_do_{kind}_fill")
+                for kind in ("junk", "zero")}
         except (OSError, ValueError):
             _switches = False
     return _switches or None
